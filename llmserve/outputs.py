@@ -1,0 +1,41 @@
+"""What a request returns: vLLM's ``RequestOutput`` and ``CompletionOutput``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# One dict per position: token id -> logprob (the sampled / actual token always included).
+SampleLogprobs = list[dict[int, float]]
+# As above, with None for the first prompt token (nothing precedes it).
+PromptLogprobs = list[dict[int, float] | None]
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence of a request (there are ``n`` of them)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: SampleLogprobs | None = None
+    finish_reason: str | None = None  # "stop", "length", "abort" or None while running
+    stop_reason: int | str | None = None  # the stop string or stop token id that matched
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """Everything a request has produced so far (or in total, once ``finished``)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    prompt_logprobs: PromptLogprobs | None = None
+    num_cached_tokens: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)

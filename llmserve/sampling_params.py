@@ -1,0 +1,111 @@
+"""What a request asks for: sampling knobs, stopping rules and logprob options.
+
+Field names and defaults follow vLLM's ``SamplingParams`` so user code ports unchanged.
+Every invalid value raises ``ValueError`` naming the field and the allowed range.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_SAMPLING_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """Sampling parameters of one request.
+
+    Attributes:
+        n: number of output sequences for the prompt (parallel sampling).
+        temperature: 0 means greedy; higher is more random.
+        top_p: keep the smallest set of tokens whose probability sums to at least top_p.
+        top_k: keep the k most likely tokens; 0 or -1 disables.
+        min_p: drop tokens whose probability is below min_p x the top token's.
+        seed: per-request seed; the same seed gives the same output whatever else is batched.
+        presence_penalty: subtracted once from each token already generated (OpenAI).
+        frequency_penalty: subtracted per occurrence of each generated token (OpenAI).
+        repetition_penalty: divides positive / multiplies negative logits of tokens seen in
+            prompt or output (CTRL / Hugging Face); 1.0 disables.
+        logit_bias: token id -> bias added to its logit.
+        max_tokens: maximum number of generated tokens; None means up to max_model_len.
+        min_tokens: EOS and stop_token_ids are masked until this many tokens exist.
+        stop: strings that end generation; they are not part of the returned text.
+        stop_token_ids: token ids that end generation (kept out of the text).
+        ignore_eos: keep generating after EOS.
+        include_stop_str_in_output: keep the matched stop string in the text.
+        logprobs: number of top logprobs returned per generated token (the sampled one too).
+        prompt_logprobs: number of top logprobs returned per prompt token.
+        skip_special_tokens: leave special tokens out of the detokenized text.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self) -> None:
+        _check(self.n >= 1, "n", self.n, "an integer >= 1")
+        _check(self.temperature >= 0.0, "temperature", self.temperature, ">= 0 (0 is greedy)")
+        _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "in (0, 1]")
+        _check(self.top_k >= 0, "top_k", self.top_k, "0 or -1 (disabled), or a positive integer")
+        _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "in [0, 1]")
+        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", self.presence_penalty, "in [-2, 2]")
+        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", self.frequency_penalty, "in [-2, 2]")
+        _check(self.repetition_penalty > 0.0, "repetition_penalty", self.repetition_penalty, "> 0 (1 disables)")
+        _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", self.max_tokens, "an integer >= 1")
+        _check(self.min_tokens >= 0, "min_tokens", self.min_tokens, "an integer >= 0")
+        if self.max_tokens is not None:
+            _check(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
+        _check(self.logprobs is None or self.logprobs >= 0, "logprobs", self.logprobs, "an integer >= 0")
+        _check(
+            self.prompt_logprobs is None or self.prompt_logprobs >= 0,
+            "prompt_logprobs",
+            self.prompt_logprobs,
+            "an integer >= 0",
+        )
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "non-empty strings")
+        for bias in (self.logit_bias or {}).values():
+            _check(-100.0 <= bias <= 100.0, "logit_bias", bias, "values in [-100, 100]")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _SAMPLING_EPS
+
+    @property
+    def needs_output_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+
+def _check(ok: bool, name: str, value: object, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
