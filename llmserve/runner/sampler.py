@@ -1,0 +1,333 @@
+"""Turn one step's logits into next tokens: biases, penalties, truncation, then a draw.
+
+Per row, in this order (a stage is skipped outright when no row in the batch needs it):
+
+    raw logits ─────────────────────────────────> logprobs (log_softmax of the raw logits)
+        │
+    logit_bias -> min_tokens mask -> repetition penalty -> presence / frequency penalties
+        │
+        ├── greedy rows (temperature 0): argmax
+        └── random rows: / temperature -> top_k -> top_p -> min_p -> softmax -> draw
+
+The draw is an exponential race, ``argmax(probs / q)`` with ``q ~ Exponential(1)`` per
+token, which picks token i with probability ``probs[i]``. A row with a seed draws its ``q``
+from its own generator (on the logits' device), so its tokens do not depend on which
+other rows share the batch or where the row sits in it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from itertools import chain
+
+import torch
+
+from llmserve.sampling_params import SamplingParams
+
+_TINY = torch.finfo(torch.float32).tiny
+_PROMPT_LOGPROBS_CHUNK = 1024  # rows of prompt logits turned into logprobs at a time
+
+
+@dataclass
+class SamplingRow:
+    """One row of logits to sample from, with what its sequence has seen so far."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # tokens this sequence generated so far
+    generator: torch.Generator | None  # per-sequence generator when params.seed is set
+    eos_token_id: int | None
+
+
+@dataclass
+class SamplerOutput:
+    """One sampled token per row, plus its logprobs where the row asked for them."""
+
+    sampled_token_ids: list[int]
+    logprobs: list[dict[int, float] | None]  # top-N + sampled token; None if not requested
+
+
+class Sampler:
+    """Samples one token per row of logits; the stages are in the module docstring."""
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        assert logits.dim() == 2 and logits.shape[0] == len(rows), (logits.shape, len(rows))
+        raw_logits = logits  # [num_rows, vocab_size]
+        logits = logits.float()  # may alias the caller's tensor: every stage is out of place
+        logits = apply_logit_bias(logits, rows)
+        logits = apply_min_tokens(logits, rows)
+        logits = _apply_row_penalties(logits, rows)
+        sampled = _sample(logits, rows)  # [num_rows] int64
+        logprobs = _sampled_logprobs(raw_logits, rows, sampled)
+        return SamplerOutput(sampled_token_ids=sampled.tolist(), logprobs=logprobs)
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row knobs of the random rows, built once per step; a knob no row uses is None."""
+
+    temperature: torch.Tensor  # [num_rows] fp32, all > 0
+    top_k: torch.Tensor | None  # [num_rows] int64; vocab_size where the row has it off
+    max_top_k: int  # the largest top_k among rows that use it
+    top_p: torch.Tensor | None  # [num_rows] fp32; inf where the row has it off
+    min_p: torch.Tensor | None  # [num_rows] fp32; 0 where the row has it off
+
+    @classmethod
+    def from_params(
+        cls, params: list[SamplingParams], vocab_size: int, device: torch.device
+    ) -> SamplingTensors:
+        top_ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+        top_ps = [p.top_p if p.top_p < 1.0 else math.inf for p in params]
+        min_ps = [p.min_p for p in params]
+        used_ks = [k for k in top_ks if k < vocab_size]
+        return cls(
+            temperature=_tensor([p.temperature for p in params], torch.float32, device),
+            top_k=_tensor(top_ks, torch.int64, device) if used_ks else None,
+            max_top_k=max(used_ks, default=vocab_size),
+            top_p=_tensor(top_ps, torch.float32, device) if min(top_ps) < 1.0 else None,
+            min_p=_tensor(min_ps, torch.float32, device) if max(min_ps) > 0.0 else None,
+        )
+
+
+def _tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Adds each row's ``logit_bias``; token ids outside the vocabulary are ignored."""
+    vocab_size = logits.shape[-1]
+    row_ids, token_ids, biases = [], [], []
+    for i, row in enumerate(rows):
+        for token_id, bias in (row.params.logit_bias or {}).items():
+            if 0 <= token_id < vocab_size:
+                row_ids.append(i)
+                token_ids.append(token_id)
+                biases.append(bias)
+    if not row_ids:
+        return logits
+    index = _tensor([row_ids, token_ids], torch.int64, logits.device)  # [2, num_biases]
+    values = _tensor(biases, logits.dtype, logits.device)  # [num_biases]
+    return logits.index_put((index[0], index[1]), values, accumulate=True)
+
+
+def apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Masks EOS and ``stop_token_ids`` to -inf in rows with fewer than ``min_tokens`` outputs.
+
+    EOS is masked even with ``ignore_eos``: min_tokens promises that many real tokens.
+    """
+    vocab_size = logits.shape[-1]
+    row_ids, token_ids = [], []
+    for i, row in enumerate(rows):
+        if len(row.output_token_ids) >= row.params.min_tokens:
+            continue
+        banned = set(row.params.stop_token_ids or [])
+        if row.eos_token_id is not None:
+            banned.add(row.eos_token_id)
+        banned = [t for t in banned if 0 <= t < vocab_size]
+        row_ids += [i] * len(banned)
+        token_ids += banned
+    if not row_ids:
+        return logits
+    index = _tensor([row_ids, token_ids], torch.int64, logits.device)  # [2, num_banned]
+    minus_inf = torch.tensor(-math.inf, dtype=logits.dtype, device=logits.device)
+    return logits.index_put((index[0], index[1]), minus_inf)
+
+
+def _apply_row_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Runs ``apply_penalties`` on just the rows that set a penalty."""
+    penalized = [i for i, row in enumerate(rows) if row.params.needs_output_penalties]
+    if not penalized:
+        return logits
+    sub_rows = [rows[i] for i in penalized]
+    index = None
+    if len(penalized) < len(rows):
+        index = _tensor(penalized, torch.int64, logits.device)  # [num_penalized]
+    result = apply_penalties(
+        logits if index is None else logits[index],
+        prompt_token_ids=[row.prompt_token_ids for row in sub_rows],
+        output_token_ids=[row.output_token_ids for row in sub_rows],
+        repetition_penalties=[row.params.repetition_penalty for row in sub_rows],
+        presence_penalties=[row.params.presence_penalty for row in sub_rows],
+        frequency_penalties=[row.params.frequency_penalty for row in sub_rows],
+    )
+    return result if index is None else logits.index_copy(0, index, result)
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_token_ids: list[list[int]],
+    output_token_ids: list[list[int]],
+    repetition_penalties: list[float],
+    presence_penalties: list[float],
+    frequency_penalties: list[float],
+) -> torch.Tensor:
+    """Returns penalized ``logits`` [num_rows, vocab_size]; one list entry per row.
+
+    Repetition (CTRL / Hugging Face), over tokens in the prompt or the output:
+        logit / penalty if logit > 0 else logit * penalty
+    Presence and frequency (OpenAI), over output tokens only, with c = the token's count:
+        logit - presence * (c > 0) - frequency * c
+    """
+    vocab_size, device = logits.shape[-1], logits.device
+    output_counts = token_counts(output_token_ids, vocab_size, device)  # [num_rows, vocab]
+    if any(p != 1.0 for p in repetition_penalties):
+        prompt_counts = token_counts(prompt_token_ids, vocab_size, device)  # [num_rows, vocab]
+        is_seen = (prompt_counts + output_counts) > 0  # [num_rows, vocab]
+        penalty = _tensor(repetition_penalties, torch.float32, device)[:, None]  # [num_rows, 1]
+        penalty = torch.where(is_seen, penalty, 1.0)  # [num_rows, vocab]
+        logits = torch.where(logits > 0, logits / penalty, logits * penalty)
+    if any(presence_penalties) or any(frequency_penalties):
+        presence = _tensor(presence_penalties, torch.float32, device)[:, None]  # [num_rows, 1]
+        frequency = _tensor(frequency_penalties, torch.float32, device)[:, None]
+        logits = logits - presence * (output_counts > 0) - frequency * output_counts
+    return logits
+
+
+def token_counts(token_ids: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[len(token_ids), vocab_size] fp32: how often each token occurs in each row's list."""
+    counts = torch.zeros(len(token_ids), vocab_size, device=device)  # [num_rows, vocab]
+    lengths = [len(ids) for ids in token_ids]
+    num_tokens = sum(lengths)
+    if num_tokens == 0:
+        return counts
+    flat_ids = _tensor(list(chain.from_iterable(token_ids)), torch.int64, device)  # [num_tokens]
+    row_ids = torch.arange(len(token_ids)).repeat_interleave(
+        torch.tensor(lengths), output_size=num_tokens
+    )  # [num_tokens]
+    ones = torch.ones((), device=device)
+    return counts.index_put_((row_ids.to(device), flat_ids), ones, accumulate=True)
+
+
+def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """[num_rows] int64: argmax for greedy rows, a random draw for the others."""
+    random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
+    if not random_rows:
+        return logits.argmax(dim=-1)
+    if len(random_rows) == len(rows):
+        return _random_sample(logits, rows)
+    index = _tensor(random_rows, torch.int64, logits.device)  # [num_random]
+    sampled = _random_sample(logits[index], [rows[i] for i in random_rows])  # [num_random]
+    return logits.argmax(dim=-1).index_copy(0, index, sampled)
+
+
+def _random_sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """[num_rows] int64 drawn after temperature, top-k, top-p and min-p."""
+    knobs = SamplingTensors.from_params([r.params for r in rows], logits.shape[-1], logits.device)
+    logits = logits / knobs.temperature[:, None]  # [num_rows, vocab]
+    if knobs.top_p is not None:
+        logits = apply_top_k_top_p(logits, knobs.top_k, knobs.top_p)
+    elif knobs.top_k is not None:
+        logits = apply_top_k(logits, knobs.top_k, knobs.max_top_k)
+    probs = logits.softmax(dim=-1)  # [num_rows, vocab]
+    if knobs.min_p is not None:
+        probs = apply_min_p(probs, knobs.min_p)
+    return exponential_race(probs, [row.generator for row in rows])
+
+
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
+    """Masks all but each row's ``top_k`` largest logits; top_k >= vocab_size keeps all.
+
+    Logits tied with the k-th largest are kept as well.
+    """
+    vocab_size = logits.shape[-1]
+    top_values = logits.topk(max_top_k, dim=-1).values  # [num_rows, max_top_k], descending
+    kth = top_values.gather(-1, top_k.clamp(max=max_top_k)[:, None] - 1)  # [num_rows, 1]
+    kth = kth.masked_fill(top_k[:, None] >= vocab_size, -math.inf)  # rows with top-k off
+    return logits.masked_fill(logits < kth, -math.inf)
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor
+) -> torch.Tensor:
+    """Keeps each row's top_k logits, then the smallest set of them whose probability
+    reaches top_p (the top token always stays). top_p = inf turns it off for a row."""
+    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)  # [num_rows, vocab]
+    if top_k is not None:
+        ranks = torch.arange(logits.shape[-1], device=logits.device)  # [vocab]
+        sorted_logits = sorted_logits.masked_fill(ranks >= top_k[:, None], -math.inf)
+    probs = sorted_logits.softmax(dim=-1)  # [num_rows, vocab]
+    mass_before = probs.cumsum(dim=-1) - probs  # [num_rows, vocab], of the better tokens
+    sorted_logits = sorted_logits.masked_fill(mass_before >= top_p[:, None], -math.inf)
+    return torch.empty_like(logits).scatter_(-1, sorted_ids, sorted_logits)
+
+
+def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Zeroes probabilities below ``min_p`` x the row's largest (left unnormalized)."""
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p[:, None]  # [num_rows, 1]
+    return probs.masked_fill(probs < threshold, 0.0)
+
+
+def exponential_race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """[num_rows] int64: ``argmax(probs / q)``, q ~ Exponential(1), i.e. a draw from probs.
+
+    Rows with a generator draw their own q; the rest share one batched draw. ``probs``
+    need not be normalized.
+    """
+    q = torch.empty_like(probs)  # [num_rows, vocab]
+    if any(g is None for g in generators):
+        q.exponential_()
+    for i, generator in enumerate(generators):
+        if generator is not None:
+            q[i].exponential_(generator=generator)
+    q.clamp_(min=_TINY)  # q = 0 would turn a masked token's 0 / q into NaN
+    return (probs / q).argmax(dim=-1)
+
+
+def _sampled_logprobs(
+    raw_logits: torch.Tensor, rows: list[SamplingRow], sampled: torch.Tensor
+) -> list[dict[int, float] | None]:
+    """Per row: the raw model logprobs of the top ``params.logprobs`` tokens and the sampled one."""
+    wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+    result: list[dict[int, float] | None] = [None] * len(rows)
+    if not wanted:
+        return result
+    index = _tensor(wanted, torch.int64, raw_logits.device)  # [num_wanted]
+    num_logprobs = [rows[i].params.logprobs for i in wanted]
+    dicts = _top_logprobs(raw_logits[index], sampled[index], num_logprobs)
+    for i, logprobs in zip(wanted, dicts, strict=True):
+        result[i] = logprobs
+    return result
+
+
+def compute_prompt_logprobs(
+    logits: torch.Tensor, target_ids: list[int], num_logprobs: int
+) -> list[dict[int, float]]:
+    """Logprobs of each prompt token given the ones before it.
+
+    ``logits`` [n, vocab_size] are at prompt positions 0..n-1 and ``target_ids[i]`` is the
+    prompt token at position i + 1. Each dict holds the top ``num_logprobs`` tokens and
+    the target token. Rows are processed in chunks to bound the fp32 copy of long prompts.
+    """
+    assert logits.shape[0] == len(target_ids), (logits.shape, len(target_ids))
+    targets = _tensor(target_ids, torch.int64, logits.device)  # [n]
+    result: list[dict[int, float]] = []
+    for start in range(0, len(target_ids), _PROMPT_LOGPROBS_CHUNK):
+        end = min(start + _PROMPT_LOGPROBS_CHUNK, len(target_ids))
+        nums = [num_logprobs] * (end - start)
+        result += _top_logprobs(logits[start:end], targets[start:end], nums)
+    return result
+
+
+def _top_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: list[int]
+) -> list[dict[int, float]]:
+    """Per row: {top num_logprobs[i] tokens, then token_ids[i]: logprob} of log_softmax(logits)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [num_rows, vocab]
+    token_logprobs = logprobs.gather(-1, token_ids[:, None]).squeeze(-1)  # [num_rows]
+    max_top = min(max(num_logprobs), logprobs.shape[-1])
+    top_logprobs, top_ids = logprobs.topk(max_top, dim=-1)  # [num_rows, max_top]
+    rows = zip(
+        num_logprobs,
+        top_ids.tolist(),
+        top_logprobs.tolist(),
+        token_ids.tolist(),
+        token_logprobs.tolist(),
+        strict=True,
+    )
+    result = []
+    for n, row_top_ids, row_top_logprobs, token_id, token_logprob in rows:
+        entry = dict(zip(row_top_ids[:n], row_top_logprobs[:n], strict=True))
+        entry.setdefault(token_id, token_logprob)
+        result.append(entry)
+    return result

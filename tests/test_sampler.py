@@ -1,0 +1,245 @@
+"""Sampler: greedy, seeded draws, truncation, temperature, penalties, masks, logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from llmserve.runner.sampler import (
+    Sampler,
+    SamplingRow,
+    apply_penalties,
+    compute_prompt_logprobs,
+)
+from llmserve.sampling_params import SamplingParams
+
+
+def make_row(
+    params: SamplingParams,
+    output_token_ids: list[int] | None = None,
+    prompt_token_ids: list[int] | None = None,
+    eos_token_id: int | None = None,
+) -> SamplingRow:
+    generator = None
+    if params.seed is not None:
+        generator = torch.Generator().manual_seed(params.seed)
+    return SamplingRow(
+        params=params,
+        prompt_token_ids=prompt_token_ids or [],
+        output_token_ids=output_token_ids or [],
+        generator=generator,
+        eos_token_id=eos_token_id,
+    )
+
+
+def sample_many(logits_row: torch.Tensor, params: SamplingParams, num: int) -> torch.Tensor:
+    """[num] sampled ids: the same row of logits repeated num times in one batch."""
+    logits = logits_row.expand(num, -1)  # [num, vocab]
+    out = Sampler()(logits, [make_row(params) for _ in range(num)])
+    return torch.tensor(out.sampled_token_ids)
+
+
+def logits_from_probs(probs: list[float]) -> torch.Tensor:
+    return torch.tensor(probs).log()  # [vocab]
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def test_greedy_is_argmax_also_beside_random_rows():
+    logits = torch.randn(6, 500)  # [rows, vocab]
+    params = [SamplingParams(temperature=0.0 if i % 2 == 0 else 1.0) for i in range(6)]
+    out = Sampler()(logits, [make_row(p) for p in params])
+    expected = logits.argmax(dim=-1).tolist()
+    assert [out.sampled_token_ids[i] for i in (0, 2, 4)] == [expected[i] for i in (0, 2, 4)]
+    all_greedy = Sampler()(logits, [make_row(SamplingParams(temperature=0.0))] * 6)
+    assert all_greedy.sampled_token_ids == expected
+    assert all_greedy.logprobs == [None] * 6
+
+
+def test_bf16_logits_are_sampled_and_left_unmodified():
+    logits = torch.randn(3, 64).to(torch.bfloat16)
+    before = logits.clone()
+    params = SamplingParams(temperature=0.0, logit_bias={5: 100.0}, repetition_penalty=1.5)
+    out = Sampler()(logits, [make_row(params, output_token_ids=[1, 2])] * 3)
+    assert out.sampled_token_ids == [5, 5, 5]
+    assert torch.equal(logits, before)
+
+
+def run_seeded(seed: int, position: int, others: list[SamplingParams], steps: int = 12):
+    """Tokens of one seeded row over several steps, at `position` among `others`."""
+    vocab = 1000
+    target_logits = torch.randn(vocab, generator=torch.Generator().manual_seed(99)) * 0.1
+    target = make_row(SamplingParams(temperature=0.9, top_p=0.95, seed=seed))
+    tokens = []
+    for _ in range(steps):
+        rows = [make_row(p) for p in others]
+        rows.insert(position, target)
+        logits = torch.randn(len(rows), vocab)  # [rows, vocab]
+        logits[position] = target_logits
+        tokens.append(Sampler()(logits, rows).sampled_token_ids[position])
+    return tokens
+
+
+def test_same_seed_same_tokens_whatever_the_batch():
+    alone = run_seeded(seed=1234, position=0, others=[])
+    others = [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.7, seed=7, top_k=5),
+        SamplingParams(temperature=1.2, min_p=0.1),
+    ]
+    assert run_seeded(seed=1234, position=2, others=others) == alone
+    assert run_seeded(seed=1234, position=4, others=others[::-1]) == alone
+    assert run_seeded(seed=1235, position=0, others=[]) != alone
+    assert len(set(alone)) > 3  # the row really is random, not collapsed to one token
+
+
+def assert_support(samples: torch.Tensor, expected: set[int]) -> None:
+    assert set(samples.tolist()) == expected
+
+
+def test_top_k_keeps_exactly_k_tokens():
+    logits = torch.linspace(2.0, 0.0, 20)[torch.randperm(20)]  # [vocab], all likely
+    top5 = set(logits.topk(5).indices.tolist())
+    assert_support(sample_many(logits, SamplingParams(top_k=5), 4000), top5)
+    # top_k beside top_p takes the sort path; top_p = 0.999 keeps all of the top 5.
+    both = sample_many(logits, SamplingParams(top_k=5, top_p=0.999), 4000)
+    assert_support(both, top5)
+    assert len(set(sample_many(logits, SamplingParams(), 4000).tolist())) == 20
+
+
+def test_top_p_keeps_the_nucleus():
+    probs = [0.05, 0.4, 0.1, 0.3, 0.15]
+    logits = logits_from_probs(probs)
+    # Sorted: 0.4, 0.3 | 0.15, ...: 0.4 < 0.65 <= 0.7, so the nucleus is {1, 3}.
+    samples = sample_many(logits, SamplingParams(top_p=0.65), 6000)
+    assert_support(samples, {1, 3})
+    assert (samples == 1).float().mean().item() == pytest.approx(0.4 / 0.7, abs=0.03)
+    # 0.4 + 0.3 + 0.15 = 0.85 >= 0.8: three tokens.
+    assert_support(sample_many(logits, SamplingParams(top_p=0.8), 6000), {1, 3, 4})
+    assert_support(sample_many(logits, SamplingParams(top_p=0.1), 500), {1})
+
+
+def test_min_p_drops_unlikely_tokens():
+    logits = logits_from_probs([0.05, 0.5, 0.15, 0.3])
+    # Threshold 0.2 * 0.5 = 0.1: token 0 (0.05) goes, token 2 (0.15) stays.
+    assert_support(sample_many(logits, SamplingParams(min_p=0.2), 4000), {1, 2, 3})
+    assert_support(sample_many(logits, SamplingParams(min_p=0.5), 4000), {1, 3})
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_temperature_matches_softmax_of_scaled_logits(temperature):
+    logits = torch.tensor([1.0, 0.5, 0.0, -0.5, -1.0])
+    samples = sample_many(logits, SamplingParams(temperature=temperature), 20000)
+    freqs = torch.bincount(samples, minlength=5).float() / 20000
+    expected = torch.softmax(logits / temperature, dim=-1)
+    assert torch.allclose(freqs, expected, atol=0.015), (freqs, expected)
+    if temperature != 1.0:
+        assert not torch.allclose(freqs, torch.softmax(logits, dim=-1), atol=0.015)
+
+
+def test_apply_penalties_matches_hand_computation():
+    logits = torch.tensor(
+        [
+            [2.0, -1.0, 4.0, -3.0, 1.0, 0.5],
+            [2.0, -1.0, 4.0, -3.0, 1.0, 0.5],
+            [2.0, -1.0, 4.0, -3.0, 1.0, 0.5],
+        ]
+    )
+    out = apply_penalties(
+        logits,
+        prompt_token_ids=[[0, 1], [0, 1], [5]],
+        output_token_ids=[[2, 2, 3], [2, 2, 3], [1, 1, 1]],
+        repetition_penalties=[2.0, 1.0, 1.0],
+        presence_penalties=[0.0, 0.5, 0.0],
+        frequency_penalties=[0.0, 0.25, -1.0],
+    )
+    expected = torch.tensor(
+        [
+            # repetition 2 on prompt {0, 1} and output {2, 3}: +/2, -*2; 4 and 5 untouched.
+            [1.0, -2.0, 2.0, -6.0, 1.0, 0.5],
+            # output only: token 2 (count 2) -0.5-0.5, token 3 (count 1) -0.5-0.25.
+            [2.0, -1.0, 3.0, -3.75, 1.0, 0.5],
+            # frequency -1 raises token 1 (count 3) by 3; the prompt plays no part.
+            [2.0, 2.0, 4.0, -3.0, 1.0, 0.5],
+        ]
+    )
+    assert torch.equal(out, expected)
+
+
+def test_penalties_steer_greedy_choice():
+    logits = torch.tensor([[3.0, 2.9, 0.0, -5.0]])
+    plain = make_row(SamplingParams(temperature=0.0), output_token_ids=[0])
+    rep = make_row(SamplingParams(temperature=0.0, repetition_penalty=1.2), prompt_token_ids=[0])
+    pres = make_row(SamplingParams(temperature=0.0, presence_penalty=0.2), output_token_ids=[0])
+    batch = torch.cat([logits, logits, logits])  # [3, vocab]
+    assert Sampler()(batch, [plain, rep, pres]).sampled_token_ids == [0, 1, 1]
+
+
+def test_logit_bias_forces_a_token():
+    logits = torch.randn(4, 300)  # [rows, vocab]
+    biased = {123: 100.0, 5000: 50.0}  # an id outside the vocabulary is ignored
+    params = [
+        SamplingParams(temperature=0.0, logit_bias=biased),
+        SamplingParams(temperature=1.0, logit_bias=biased),
+        SamplingParams(temperature=1.0, top_k=3, logit_bias=biased),
+        SamplingParams(temperature=0.0, logit_bias={int(logits[3].argmax()): -100.0}),
+    ]
+    out = Sampler()(logits, [make_row(p) for p in params])
+    assert out.sampled_token_ids[:3] == [123, 123, 123]
+    assert out.sampled_token_ids[3] == int(logits[3].topk(2).indices[1])
+
+
+def test_min_tokens_masks_eos_and_stop_ids():
+    logits = torch.tensor([[0.0, 10.0, 9.0, 8.0, 1.0]])  # eos 1, then stop id 2, then 3
+    params = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[2], ignore_eos=True)
+    sampler = Sampler()
+    short = make_row(params, output_token_ids=[4, 4], eos_token_id=1)
+    done = make_row(params, output_token_ids=[4, 4, 4], eos_token_id=1)
+    random_short = [make_row(SamplingParams(min_tokens=1), eos_token_id=1) for _ in range(200)]
+    out = sampler(logits.expand(202, -1), [short, done, *random_short]).sampled_token_ids
+    assert out[:2] == [3, 1]
+    assert 1 not in out[2:] and 2 in out[2:]  # eos masked, stop id 2 not: no stop_token_ids
+
+
+def test_sampled_logprobs_are_raw_log_softmax():
+    logits = torch.randn(4, 50)  # [rows, vocab]
+    params = [
+        SamplingParams(temperature=0.3, logprobs=3, presence_penalty=2.0, logit_bias={7: 30.0}),
+        SamplingParams(temperature=1.0, logprobs=0),
+        SamplingParams(temperature=0.0, logprobs=None),
+        SamplingParams(temperature=0.0, logprobs=60, logit_bias={9: 100.0}),
+    ]
+    out = Sampler()(logits, [make_row(p, output_token_ids=[1, 2]) for p in params])
+    reference = torch.log_softmax(logits, dim=-1)  # [rows, vocab]
+    sampled = out.sampled_token_ids
+    assert sampled[0] == 7 and sampled[3] == 9
+    top3 = set(reference[0].topk(3).indices.tolist())
+    assert set(out.logprobs[0]) == top3 | {7}
+    assert set(out.logprobs[1]) == {sampled[1]}
+    assert out.logprobs[2] is None
+    assert len(out.logprobs[3]) == 50  # logprobs beyond the vocabulary: all of it
+    for row in (0, 1, 3):
+        for token_id, logprob in out.logprobs[row].items():
+            assert logprob == pytest.approx(reference[row, token_id].item(), abs=1e-5)
+
+
+def test_compute_prompt_logprobs_matches_reference():
+    logits = torch.randn(7, 40).to(torch.bfloat16)  # [prompt positions, vocab]
+    targets = [3, 3, 39, 0, 12, 5, 21]
+    result = compute_prompt_logprobs(logits, targets, num_logprobs=2)
+    reference = torch.log_softmax(logits.float(), dim=-1)  # [positions, vocab]
+    assert len(result) == 7
+    for i, entry in enumerate(result):
+        expected_ids = set(reference[i].topk(2).indices.tolist()) | {targets[i]}
+        assert set(entry) == expected_ids
+        for token_id, logprob in entry.items():
+            assert logprob == pytest.approx(reference[i, token_id].item(), abs=1e-5)
+    only_targets = compute_prompt_logprobs(logits, targets, num_logprobs=0)
+    assert [list(entry) for entry in only_targets] == [[t] for t in targets]
+    assert not math.isnan(sum(v for e in only_targets for v in e.values()))
