@@ -61,12 +61,19 @@ def test_greedy_is_argmax_also_beside_random_rows():
     assert all_greedy.logprobs == [None] * 6
 
 
-def test_bf16_logits_are_sampled_and_left_unmodified():
-    logits = torch.randn(3, 64).to(torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logits_are_sampled_in_any_dtype_and_left_unmodified(dtype):
+    logits = torch.randn(3, 64).to(dtype)  # [rows, vocab]
     before = logits.clone()
-    params = SamplingParams(temperature=0.0, logit_bias={5: 100.0}, repetition_penalty=1.5)
-    out = Sampler()(logits, [make_row(params, output_token_ids=[1, 2])] * 3)
-    assert out.sampled_token_ids == [5, 5, 5]
+    params = SamplingParams(
+        temperature=0.5, top_p=0.9, min_p=0.05, logit_bias={5: 100.0}, repetition_penalty=1.5
+    )
+    min_tokens = SamplingParams(temperature=0.0, min_tokens=4, frequency_penalty=1.0)
+    rows = [make_row(params, output_token_ids=[1, 2])] * 2
+    rows.append(make_row(min_tokens, output_token_ids=[1], eos_token_id=int(logits[2].argmax())))
+    out = Sampler()(logits, rows)
+    assert out.sampled_token_ids[:2] == [5, 5]
+    assert out.sampled_token_ids[2] != int(logits[2].argmax())
     assert torch.equal(logits, before)
 
 

@@ -56,7 +56,7 @@ class Sampler:
         raw_logits = logits  # [num_rows, vocab_size]
         logits = logits.float()  # may alias the caller's tensor: every stage is out of place
         logits = apply_logit_bias(logits, rows)
-        logits = apply_min_tokens(logits, rows)
+        pass
         logits = _apply_row_penalties(logits, rows)
         sampled = _sample(logits, rows)  # [num_rows] int64
         logprobs = _sampled_logprobs(raw_logits, rows, sampled)
