@@ -1,0 +1,24 @@
+"""Kernel tests run Triton on CPU through its interpreter.
+
+TRITON_INTERPRET must be set before any kernel module is imported (Triton reads it when a
+kernel is decorated); llmserve.kernels imports its kernel modules lazily, so setting it here
+is early enough even if Triton itself was already imported.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def kernels():
+    """The llmserve.kernels package, skipping the test when Triton is not installed."""
+    pytest.importorskip("triton")
+    import llmserve.kernels as kernels
+
+    assert kernels.is_triton_available()
+    return kernels

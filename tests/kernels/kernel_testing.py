@@ -1,0 +1,81 @@
+"""Helpers for the kernel tests: a paged batch with its pool, ALiBi slopes, tolerances."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PagedBatch:
+    """A packed batch and the paged pool holding its context.
+
+    Pool slots that no sequence position owns are NaN, so a kernel that reads past a
+    sequence's end (or a padded block-table entry) poisons its output.
+    """
+
+    q: torch.Tensor  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with 0
+    keys: list[torch.Tensor]  # per sequence, contiguous [seq_len, num_kv_heads, head_dim]
+    values: list[torch.Tensor]
+    max_query_len: int
+
+
+def make_paged_batch(
+    q_lens: list[int],
+    seq_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> PagedBatch:
+    """Random context for each sequence, scattered over shuffled blocks of a larger pool."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 3  # spare blocks no sequence owns
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype)
+    block_tables = torch.zeros(len(seq_lens), max(blocks_per_seq), dtype=torch.int32)
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    keys, values = [], []
+    for b, seq_len in enumerate(seq_lens):
+        owned = [perm.pop() for _ in range(blocks_per_seq[b])]
+        block_tables[b, : len(owned)] = torch.tensor(owned, dtype=torch.int32)
+        k = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen).to(dtype)
+        v = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen).to(dtype)
+        for pos in range(seq_len):
+            k_cache[owned[pos // block_size], pos % block_size] = k[pos]
+            v_cache[owned[pos // block_size], pos % block_size] = v[pos]
+        keys.append(k)
+        values.append(v)
+    query_start_loc = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(sum(q_lens), num_heads, head_dim, generator=gen).to(dtype)
+    return PagedBatch(
+        q, k_cache, v_cache, query_start_loc, torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables, keys, values, max(q_lens),
+    )  # fmt: skip
+
+
+def alibi_slopes(num_heads: int) -> torch.Tensor:
+    """The ALiBi paper's geometric slopes (num_heads a power of two or not)."""
+    return torch.tensor([2.0 ** (-8.0 * (h + 1) / num_heads) for h in range(num_heads)])
+
+
+def tolerance(dtype: torch.dtype) -> dict[str, float]:
+    """assert_close tolerances for kernel-vs-reference comparisons."""
+    return {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
+
+
+def cos_sin_cache(max_pos: int, rot_dim: int, base: float = 10000.0) -> torch.Tensor:
+    """[max_pos, rot_dim]: cos(pos * inv_freq) then sin(pos * inv_freq)."""
+    inv_freq = 1.0 / base ** (torch.arange(0, rot_dim, 2).float() / rot_dim)  # [rot_dim // 2]
+    freqs = torch.arange(max_pos).float()[:, None] * inv_freq[None, :]  # [max_pos, rot_dim // 2]
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
