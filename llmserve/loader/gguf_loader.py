@@ -1,0 +1,236 @@
+"""Read a GGUF checkpoint: a transformers config from its metadata, fp32 tensors in HF layout.
+
+GGUF (llama.cpp's format) differs from a Hugging Face checkpoint in four ways, undone here:
+
+    names     blk.3.attn_q.weight          -> model.layers.3.self_attn.q_proj.weight
+    shapes    ne = [in_features, out]      -> [out_features, in] (GGUF lists dims innermost first)
+    dtypes    Q4_1 / Q8_0 / Q6_K blocks    -> fp32 (gguf.quants.dequantize)
+    rotary    q/k rows of each head interleaved for llama.cpp's pairwise rope (llama only)
+              -> HF's rotate-half order
+"""
+
+import functools
+import logging
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from transformers import LlamaConfig, PretrainedConfig, Qwen2Config
+
+logger = logging.getLogger(__name__)
+
+# general.architecture -> (config class, HF architecture, q/k rows permuted by the converter)
+_ARCHITECTURES: dict[str, tuple[type[PretrainedConfig], str, bool]] = {
+    "llama": (LlamaConfig, "LlamaForCausalLM", True),
+    "mistral": (LlamaConfig, "LlamaForCausalLM", True),
+    "qwen2": (Qwen2Config, "Qwen2ForCausalLM", False),
+}
+
+_GLOBAL_TENSOR_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER_TENSOR_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+# Tensors with no Hugging Face parameter: llama3-style rope frequency factors.
+_SKIPPED_TENSORS = {"rope_freqs.weight"}
+_LAYER_TENSOR_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+# Types stored as plain numpy arrays, which gguf.quants.dequantize does not handle.
+_PLAIN_TYPES = {
+    gguf.GGMLQuantizationType.F64,
+    gguf.GGMLQuantizationType.I8,
+    gguf.GGMLQuantizationType.I16,
+    gguf.GGMLQuantizationType.I32,
+    gguf.GGMLQuantizationType.I64,
+}
+
+# GGUF rope.scaling.* key -> HF rope scaling key
+_ROPE_SCALING_KEYS = {
+    "factor": "factor",
+    "original_context_length": "original_max_position_embeddings",
+    "attn_factor": "attention_factor",
+    "yarn_beta_fast": "beta_fast",
+    "yarn_beta_slow": "beta_slow",
+}
+
+
+@functools.lru_cache(maxsize=2)
+def _open_reader(path: str) -> gguf.GGUFReader:
+    """Memory-map a GGUF file once (parsing its vocabulary metadata takes seconds)."""
+    return gguf.GGUFReader(path)
+
+
+def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _architecture(reader: gguf.GGUFReader, path: str) -> str:
+    arch = _field(reader, "general.architecture")
+    if arch not in _ARCHITECTURES:
+        raise ValueError(
+            f"{path}: GGUF architecture {arch!r} is not supported; "
+            f"supported: {', '.join(sorted(_ARCHITECTURES))}"
+        )
+    return arch
+
+
+def _tensor_names(reader: gguf.GGUFReader) -> set[str]:
+    return {tensor.name for tensor in reader.tensors}
+
+
+def _single_count(value: Any, key: str) -> int:
+    """Head counts may be stored per layer; llmserve needs one value for all layers."""
+    if isinstance(value, list):
+        if len(set(value)) != 1:
+            raise ValueError(f"{key} differs between layers ({sorted(set(value))}); unsupported")
+        value = value[0]
+    return int(value)
+
+
+def _rope_scaling(reader: gguf.GGUFReader, arch: str) -> dict[str, Any] | None:
+    """HF rope scaling dict from `{arch}.rope.scaling.*` (or the old `rope.scale_linear`)."""
+    rope_type = _field(reader, f"{arch}.rope.scaling.type")
+    if rope_type is None:
+        linear_factor = _field(reader, f"{arch}.rope.scale_linear")
+        return None if linear_factor is None else {"rope_type": "linear", "factor": linear_factor}
+    if rope_type == "none":
+        return None
+    scaling: dict[str, Any] = {"rope_type": rope_type}
+    for gguf_key, hf_key in _ROPE_SCALING_KEYS.items():
+        value = _field(reader, f"{arch}.rope.scaling.{gguf_key}")
+        if value is not None:
+            scaling[hf_key] = value
+    return scaling
+
+
+def _token_ids(reader: gguf.GGUFReader) -> dict[str, int]:
+    ids = {
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "pad_token_id": _field(reader, "tokenizer.ggml.padding_token_id"),
+    }
+    return {key: int(value) for key, value in ids.items() if value is not None}
+
+
+def load_gguf_config(path: str) -> PretrainedConfig:
+    """Build a transformers config (LlamaConfig or Qwen2Config) from a GGUF file's metadata."""
+    reader = _open_reader(str(path))
+    arch = _architecture(reader, path)
+    config_cls, hf_architecture, _ = _ARCHITECTURES[arch]
+
+    def get(key: str, default: Any = None) -> Any:
+        return _field(reader, f"{arch}.{key}", default)
+
+    num_heads = _single_count(get("attention.head_count"), "attention.head_count")
+    hidden_size = int(get("embedding_length"))
+    num_kv_heads = _single_count(get("attention.head_count_kv", num_heads), "head_count_kv")
+    tensor_names = _tensor_names(reader)
+    vocab_size = get("vocab_size") or len(_field(reader, "tokenizer.ggml.tokens", []))
+    kwargs: dict[str, Any] = dict(
+        architectures=[hf_architecture],
+        vocab_size=int(vocab_size),
+        hidden_size=hidden_size,
+        intermediate_size=int(get("feed_forward_length")),
+        num_hidden_layers=int(get("block_count")),
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=int(get("context_length")),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        **_token_ids(reader),
+    )
+    if (rope_scaling := _rope_scaling(reader, arch)) is not None:
+        kwargs["rope_scaling"] = rope_scaling
+    if config_cls is LlamaConfig:
+        kwargs["head_dim"] = int(get("attention.key_length", hidden_size // num_heads))
+        kwargs["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
+    if "rope_freqs.weight" in tensor_names:
+        logger.warning("%s: rope_freqs.weight (llama3 rope factors) is ignored", path)
+    return config_cls(**kwargs)
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """Map a GGUF tensor name to its Hugging Face name (None: no HF counterpart)."""
+    if gguf_name in _SKIPPED_TENSORS:
+        return None
+    base, _, suffix = gguf_name.rpartition(".")
+    if base in _GLOBAL_TENSOR_NAMES and suffix in ("weight", "bias"):
+        return f"{_GLOBAL_TENSOR_NAMES[base]}.{suffix}"
+    match = _LAYER_TENSOR_RE.fullmatch(gguf_name)
+    if match is None or match.group(2) not in _LAYER_TENSOR_NAMES:
+        raise ValueError(f"GGUF tensor {gguf_name!r} has no known Hugging Face name")
+    layer, part, suffix = match.groups()
+    return f"model.layers.{layer}.{_LAYER_TENSOR_NAMES[part]}.{suffix}"
+
+
+def dequantize_tensor(tensor: gguf.ReaderTensor) -> torch.Tensor:
+    """Dequantize one GGUF tensor to fp32 in HF shape (GGUF's dims reversed)."""
+    qtype = gguf.GGMLQuantizationType(tensor.tensor_type)
+    if qtype in _PLAIN_TYPES:
+        array = np.asarray(tensor.data, dtype=np.float32)
+    else:
+        try:
+            array = gguf.quants.dequantize(tensor.data, qtype)
+        except NotImplementedError as exc:
+            raise ValueError(
+                f"GGUF tensor {tensor.name!r} has type {qtype.name}, which this gguf "
+                "package cannot dequantize"
+            ) from exc
+    shape = tuple(int(dim) for dim in reversed(tensor.shape))
+    array = array.reshape(shape)
+    if not array.flags.writeable or array.dtype != np.float32:
+        array = array.astype(np.float32)  # copy off the read-only memory map
+    return torch.from_numpy(array)
+
+
+def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo convert_hf_to_gguf's `permute` of llama q_proj/k_proj rows (weight or bias).
+
+    Per head, HF orders rows [x_0 .. x_{d/2-1} | x_{d/2} .. x_{d-1}] (rotate-half rope);
+    the converter interleaves them as [x_0, x_{d/2}, x_1, x_{d/2+1}, ...] for llama.cpp's
+    pairwise rope. Viewing each head as [d/2, 2] and transposing to [2, d/2] restores HF order.
+    """
+    head_dim = weight.shape[0] // num_heads
+    # [num_heads, head_dim // 2, 2, *rest] -> [num_heads, 2, head_dim // 2, *rest]
+    rows = weight.reshape(num_heads, head_dim // 2, 2, *weight.shape[1:]).transpose(1, 2)
+    return rows.reshape(weight.shape).contiguous()
+
+
+def iter_gguf_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (Hugging Face name, fp32 tensor in HF layout) for every weight in a GGUF file.
+
+    A tied lm_head (no `output.weight` in the file) is not yielded: the config says
+    `tie_word_embeddings=True` and the model reuses `model.embed_tokens.weight`.
+    """
+    reader = _open_reader(str(path))
+    arch = _architecture(reader, path)
+    is_permuted = _ARCHITECTURES[arch][2]
+    num_heads = _single_count(_field(reader, f"{arch}.attention.head_count"), "head_count")
+    kv_field = _field(reader, f"{arch}.attention.head_count_kv", num_heads)
+    num_kv_heads = _single_count(kv_field, "head_count_kv")
+    for tensor in reader.tensors:
+        name = hf_tensor_name(tensor.name)
+        if name is None:
+            continue
+        weight = dequantize_tensor(tensor)
+        if is_permuted and ".self_attn.q_proj." in name:
+            weight = unpermute_rotary_rows(weight, num_heads)
+        elif is_permuted and ".self_attn.k_proj." in name:
+            weight = unpermute_rotary_rows(weight, num_kv_heads)
+        yield name, weight

@@ -1,0 +1,41 @@
+"""Load the tokenizer of a resolved model (from a GGUF file's metadata or an HF directory)."""
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from llmserve.loader import ResolvedModel, resolve_model
+from llmserve.loader.gguf_loader import load_gguf_config
+
+
+def get_tokenizer(
+    model: ResolvedModel | str | None = None,
+    *,
+    trust_remote_code: bool = False,
+) -> PreTrainedTokenizerBase:
+    """Return the transformers tokenizer of `model` (a ResolvedModel, a path, or None for the
+    default model), with the chat template the model ships, if any.
+
+    Only local files are read (`local_files_only=True`), so nothing is ever downloaded.
+    For GGUF models the end-of-sequence token is the file's `tokenizer.ggml.eos_token_id`
+    (for SmolLM2: id 2, "<|im_end|>").
+    """
+    resolved = model if isinstance(model, ResolvedModel) else resolve_model(model)
+    tokenizer = AutoTokenizer.from_pretrained(
+        resolved.path,
+        gguf_file=resolved.gguf_file,
+        local_files_only=True,
+        trust_remote_code=trust_remote_code,
+    )
+    if resolved.kind == "gguf":
+        _set_gguf_special_tokens(tokenizer, resolved)
+    if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def _set_gguf_special_tokens(tokenizer: PreTrainedTokenizerBase, resolved: ResolvedModel) -> None:
+    """Make eos/bos follow the ids in the GGUF metadata."""
+    config = load_gguf_config(resolved.weights_path)
+    for attr in ("eos", "bos"):
+        token_id = getattr(config, f"{attr}_token_id", None)
+        if token_id is not None and getattr(tokenizer, f"{attr}_token_id") != token_id:
+            setattr(tokenizer, f"{attr}_token", tokenizer.convert_ids_to_tokens(token_id))
