@@ -155,7 +155,8 @@ def flash_attn_varlen_paged(
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0 or max_query_len == 0:
         return out
-    block_m, block_n = 64, 64
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    block_m, block_n = (64, 64) if head_dim_pad <= 128 else (32, 32)  # fits shared memory
     grid = (triton.cdiv(max_query_len, block_m), num_seqs * num_heads)
     _flash_attn_varlen_paged_kernel[grid](
         q, k_cache, v_cache, out,
@@ -167,6 +168,6 @@ def flash_attn_varlen_paged(
         HAS_ALIBI=alibi_slopes is not None,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
+        HEAD_DIM_PAD=head_dim_pad,
     )  # fmt: skip
     return out

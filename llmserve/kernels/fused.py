@@ -61,11 +61,13 @@ def rms_norm(
     res2 = residual.reshape(-1, hidden) if residual is not None else x2  # [num_rows, hidden]
     res2 = res2 if res2.stride(-1) == 1 else res2.contiguous()
     res_out = torch.empty_like(out) if residual is not None else out
+    block = triton.next_power_of_2(hidden)
     if x2.shape[0] > 0:
         _rms_norm_kernel[(x2.shape[0],)](
             x2, res2, weight, out, res_out, hidden, eps, x2.stride(0), res2.stride(0),
             HAS_RESIDUAL=residual is not None,
-            BLOCK=triton.next_power_of_2(hidden),
+            BLOCK=block,
+            num_warps=min(max(block // 512, 1), 16),
         )  # fmt: skip
     if residual is None:
         return out.view(x.shape)

@@ -13,6 +13,8 @@ Stage 2: grid (num_seqs, num_heads) rescales the partials to a common max and di
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -129,18 +131,24 @@ def _decode_reduce_kernel(
     acc_ptrs = part_acc_ptr + part[:, None] * HEAD_DIM_PAD + offs_d[None, :]
     acc = tl.load(acc_ptrs, mask=s_mask[:, None], other=0.0)  # [SPLITS_PAD, HEAD_DIM_PAD]
 
-    m_max = tl.max(m, axis=0)  # finite: split 0 always holds position 0
+    m_max = tl.max(m, axis=0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # seq_len 0 (a padding row)
     w = tl.where(s_mask, tl.exp(m - m_max), 0.0)  # [SPLITS_PAD]; empty splits give exp(-inf)=0
     total = tl.sum(l_s * w, axis=0)
-    out = tl.sum(acc * w[:, None], axis=0) / total  # [HEAD_DIM_PAD]
+    out = tl.sum(acc * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)  # [HEAD_DIM_PAD]
     out_ptrs = out_ptr + seq.to(tl.int64) * stride_os + head * stride_oh + offs_d
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=offs_d < head_dim)
+
+
+@functools.lru_cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def default_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
     """Enough splits that (seqs x KV heads x splits) fills the GPU about twice over."""
     if device.type == "cuda":
-        num_programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+        num_programs = 2 * _num_sms(device.index if device.index is not None else 0)
     else:
         num_programs = 8  # interpreter: a few splits, so tests cover the reduction
     return max(1, min(_MAX_SPLITS, triton.cdiv(num_programs, max(1, num_seqs * num_kv_heads))))
@@ -159,8 +167,9 @@ def paged_decode_attention(
     """Attention of one query per sequence (at position seq_len - 1) over the paged KV pool.
 
     q: [num_seqs, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size,
-    num_kv_heads, head_dim]; seq_lens: [num_seqs] int32 (>= 1); block_tables: [num_seqs,
-    max_blocks] int32. num_splits: chunks per sequence (None: picked from the batch shape).
+    num_kv_heads, head_dim]; seq_lens: [num_seqs] int32 (a padding row with seq_len 0 gets
+    zeros); block_tables: [num_seqs, max_blocks] int32. num_splits: chunks per sequence
+    (None: picked from the batch shape).
     Returns [num_seqs, num_heads, head_dim] in q's dtype.
     """
     num_seqs, num_heads, head_dim = q.shape

@@ -61,6 +61,19 @@ def test_paged_decode_agrees_with_flash_prefill(kernels):
     torch.testing.assert_close(decode, prefill, **tolerance(torch.float32))
 
 
+def test_paged_decode_padding_row_is_zero(kernels):
+    """A padding sequence with seq_len 0 yields zeros, not NaN, and leaves the others alone."""
+    batch = make_paged_batch([1, 1], [12, 1], 4, 2, 64, 8)
+    seq_lens = torch.tensor([12, 0], dtype=torch.int32)
+    args = (batch.q, batch.k_cache, batch.v_cache)
+    out = kernels.paged_decode_attention(*args, seq_lens, batch.block_tables, 0.125, num_splits=2)
+    ref = ref_paged_attention(
+        *args, batch.query_start_loc, batch.seq_lens, batch.block_tables, 0.125
+    )
+    torch.testing.assert_close(out[0], ref[0], **tolerance(torch.float32))
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+
+
 def test_default_num_splits_stays_in_range():
     pytest.importorskip("triton")
     from llmserve.kernels.paged_decode import default_num_splits
