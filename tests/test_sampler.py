@@ -118,6 +118,14 @@ def test_top_k_keeps_exactly_k_tokens():
     both = sample_many(logits, SamplingParams(top_k=5, top_p=0.999), 4000)
     assert_support(both, top5)
     assert len(set(sample_many(logits, SamplingParams(), 4000).tolist())) == 20
+    # Rows without top_k in the batch force the full-vocabulary sort.
+    params = [SamplingParams(top_k=5 - i % 2, top_p=0.999 if i % 3 else 1.0) for i in range(3000)]
+    params += [SamplingParams(top_p=0.999)] * 3000
+    out = Sampler()(logits.expand(6000, -1), [make_row(p) for p in params]).sampled_token_ids
+    top4 = set(logits.topk(4).indices.tolist())
+    assert_support(torch.tensor(out[0:3000:2]), top5)
+    assert_support(torch.tensor(out[1:3000:2]), top4)
+    assert_support(torch.tensor(out[3000:]), set(range(20)))
 
 
 def test_top_p_keeps_the_nucleus():

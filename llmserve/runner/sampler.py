@@ -56,7 +56,7 @@ class Sampler:
         raw_logits = logits  # [num_rows, vocab_size]
         logits = logits.float()  # may alias the caller's tensor: every stage is out of place
         logits = apply_logit_bias(logits, rows)
-        pass
+        logits = apply_min_tokens(logits, rows)
         logits = _apply_row_penalties(logits, rows)
         sampled = _sample(logits, rows)  # [num_rows] int64
         logprobs = _sampled_logprobs(raw_logits, rows, sampled)
@@ -70,6 +70,7 @@ class SamplingTensors:
     temperature: torch.Tensor  # [num_rows] fp32, all > 0
     top_k: torch.Tensor | None  # [num_rows] int64; vocab_size where the row has it off
     max_top_k: int  # the largest top_k among rows that use it
+    num_candidates: int  # max_top_k when every row uses top_k, else vocab_size
     top_p: torch.Tensor | None  # [num_rows] fp32; inf where the row has it off
     min_p: torch.Tensor | None  # [num_rows] fp32; 0 where the row has it off
 
@@ -85,6 +86,7 @@ class SamplingTensors:
             temperature=_tensor([p.temperature for p in params], torch.float32, device),
             top_k=_tensor(top_ks, torch.int64, device) if used_ks else None,
             max_top_k=max(used_ks, default=vocab_size),
+            num_candidates=max(top_ks),
             top_p=_tensor(top_ps, torch.float32, device) if min(top_ps) < 1.0 else None,
             min_p=_tensor(min_ps, torch.float32, device) if max(min_ps) > 0.0 else None,
         )
@@ -216,7 +218,7 @@ def _random_sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
     knobs = SamplingTensors.from_params([r.params for r in rows], logits.shape[-1], logits.device)
     logits = logits / knobs.temperature[:, None]  # [num_rows, vocab]
     if knobs.top_p is not None:
-        logits = apply_top_k_top_p(logits, knobs.top_k, knobs.top_p)
+        logits = apply_top_k_top_p(logits, knobs.top_k, knobs.top_p, knobs.num_candidates)
     elif knobs.top_k is not None:
         logits = apply_top_k(logits, knobs.top_k, knobs.max_top_k)
     probs = logits.softmax(dim=-1)  # [num_rows, vocab]
@@ -238,18 +240,25 @@ def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> to
 
 
 def apply_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor, num_candidates: int
 ) -> torch.Tensor:
     """Keeps each row's top_k logits, then the smallest set of them whose probability
-    reaches top_p (the top token always stays). top_p = inf turns it off for a row."""
-    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)  # [num_rows, vocab]
+    reaches top_p (the top token always stays). top_p = inf turns it off for a row.
+
+    Only the ``num_candidates`` best logits of each row are sorted: when every row has a
+    top_k, the rest are masked anyway and a top-k beats a full sort of the vocabulary.
+    """
+    if num_candidates < logits.shape[-1]:
+        sorted_logits, sorted_ids = logits.topk(num_candidates, dim=-1)  # [num_rows, cand]
+    else:
+        sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)  # [num_rows, vocab]
     if top_k is not None:
-        ranks = torch.arange(logits.shape[-1], device=logits.device)  # [vocab]
+        ranks = torch.arange(sorted_logits.shape[-1], device=logits.device)  # [cand]
         sorted_logits = sorted_logits.masked_fill(ranks >= top_k[:, None], -math.inf)
-    probs = sorted_logits.softmax(dim=-1)  # [num_rows, vocab]
-    mass_before = probs.cumsum(dim=-1) - probs  # [num_rows, vocab], of the better tokens
+    probs = sorted_logits.softmax(dim=-1)  # [num_rows, cand]
+    mass_before = probs.cumsum(dim=-1) - probs  # [num_rows, cand], of the better tokens
     sorted_logits = sorted_logits.masked_fill(mass_before >= top_p[:, None], -math.inf)
-    return torch.empty_like(logits).scatter_(-1, sorted_ids, sorted_logits)
+    return torch.full_like(logits, -math.inf).scatter_(-1, sorted_ids, sorted_logits)
 
 
 def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
