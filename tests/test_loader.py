@@ -7,7 +7,14 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
-from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 from llmserve.loader import ResolvedModel, iter_weights, load_config, resolve_model
 from llmserve.loader.default_model import DEFAULT_GGUF_FILE, default_model_path
@@ -48,6 +55,8 @@ def _assert_same_tensors(ours: dict, ref: dict, atol: float = 0.0) -> None:
     assert sorted(ours) == sorted(ref)
     for name, tensor in ours.items():
         assert tensor.shape == ref[name].shape, name
+        if atol == 0 and torch.equal(tensor.float(), ref[name].float()):
+            continue  # fast path for the 135M-parameter comparison
         torch.testing.assert_close(tensor.float(), ref[name].float(), atol=atol, rtol=0, msg=name)
 
 
@@ -206,10 +215,7 @@ def quant_file(tmp_path_factory) -> tuple[dict[str, np.ndarray], dict[str, torch
         values = rng.integers(-100, 100, SHAPE).astype(dtype)
         writer.add_tensor(np.dtype(dtype).name, values)
         expected[np.dtype(dtype).name] = values.astype(np.float32)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    _write_gguf(writer)
     ours = {t.name: dequantize_tensor(t) for t in gguf.GGUFReader(path).tensors}
     return expected, ours
 
@@ -238,7 +244,7 @@ def test_plain_numpy_types(quant_file, dtype) -> None:
     np.testing.assert_array_equal(ours[name].numpy(), expected[name])
 
 
-# ---------------------------------------------------------------- a tiny random llama GGUF
+# ---------------------------------------------------------------- tiny random GGUF models
 
 TINY_LLAMA = dict(
     vocab_size=96,
@@ -254,11 +260,17 @@ TINY_LLAMA = dict(
     bos_token_id=1,
     eos_token_id=2,
 )
-# HF parameter suffix -> (GGUF name, GGUF type)
+# HF name (layer part) -> (GGUF name, GGUF type); written independently of the loader's tables
 TINY_TENSORS = {
+    "model.embed_tokens.weight": ("token_embd.weight", QType.F16),
+    "model.norm.weight": ("output_norm.weight", QType.F32),
+    "lm_head.weight": ("output.weight", QType.Q8_0),
     "self_attn.q_proj.weight": ("attn_q.weight", QType.Q8_0),
     "self_attn.k_proj.weight": ("attn_k.weight", QType.Q8_0),
     "self_attn.v_proj.weight": ("attn_v.weight", QType.F16),
+    "self_attn.q_proj.bias": ("attn_q.bias", QType.F32),
+    "self_attn.k_proj.bias": ("attn_k.bias", QType.F32),
+    "self_attn.v_proj.bias": ("attn_v.bias", QType.F32),
     "self_attn.o_proj.weight": ("attn_output.weight", QType.Q8_0),
     "mlp.gate_proj.weight": ("ffn_gate.weight", QType.Q4_0),
     "mlp.up_proj.weight": ("ffn_up.weight", QType.Q8_0),
@@ -266,7 +278,6 @@ TINY_TENSORS = {
     "input_layernorm.weight": ("attn_norm.weight", QType.F32),
     "post_attention_layernorm.weight": ("ffn_norm.weight", QType.F32),
 }
-
 # max |error| of each GGUF type on values in [-1, 1] (Q4_0 clips the top step: below 1/8)
 TINY_TOLERANCE = {QType.F32: 0.0, QType.F16: 1e-3, QType.Q8_0: 1e-2, QType.Q4_0: 0.13}
 
@@ -278,9 +289,20 @@ def _llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return rows.swapaxes(1, 2).reshape(weight.shape)
 
 
-def _write_tiny_gguf(path: str, config: LlamaConfig, state_dict: dict) -> None:
-    writer = gguf.GGUFWriter(path, "llama")
-    writer.add_name("tiny-llama")
+def _gguf_tensor(name: str, weight: np.ndarray, arch: str, config) -> tuple[str, QType, np.ndarray]:
+    """HF tensor -> (GGUF name, type, values as llama.cpp's converter stores them)."""
+    parts = name.split(".")
+    if parts[1] != "layers":
+        gguf_name, qtype = TINY_TENSORS[name]
+        return gguf_name, qtype, weight
+    gguf_name, qtype = TINY_TENSORS[".".join(parts[3:])]
+    if arch == "llama" and parts[4] in ("q_proj", "k_proj"):
+        heads = config.num_attention_heads if parts[4] == "q_proj" else config.num_key_value_heads
+        weight = _llama_cpp_permute(weight, heads)
+    return f"blk.{parts[2]}.{gguf_name}", qtype, weight
+
+
+def _add_metadata(writer: gguf.GGUFWriter, config) -> None:
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -293,57 +315,77 @@ def _write_tiny_gguf(path: str, config: LlamaConfig, state_dict: dict) -> None:
     writer.add_bos_token_id(config.bos_token_id)
     writer.add_eos_token_id(config.eos_token_id)
 
-    def add(name: str, weight: torch.Tensor, qtype: QType) -> None:
-        writer.add_tensor(name, _quantize(weight.numpy(), qtype), raw_dtype=qtype)
 
-    add("token_embd.weight", state_dict["model.embed_tokens.weight"], QType.F16)
-    add("output_norm.weight", state_dict["model.norm.weight"], QType.F32)
-    add("output.weight", state_dict["lm_head.weight"], QType.Q8_0)
-    for layer in range(config.num_hidden_layers):
-        for hf_suffix, (gguf_suffix, qtype) in TINY_TENSORS.items():
-            weight = state_dict[f"model.layers.{layer}.{hf_suffix}"]
-            if "q_proj" in hf_suffix or "k_proj" in hf_suffix:
-                heads = (
-                    config.num_attention_heads
-                    if "q_proj" in hf_suffix
-                    else config.num_key_value_heads
-                )
-                weight = torch.from_numpy(_llama_cpp_permute(weight.numpy(), heads))
-            add(f"blk.{layer}.{gguf_suffix}", weight, qtype)
+def _write_gguf(writer: gguf.GGUFWriter) -> None:
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
 
 
-@pytest.fixture(scope="module")
-def tiny_llama() -> LlamaForCausalLM:
+def _write_tiny_gguf(path: str, arch: str, model: torch.nn.Module) -> None:
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_name(f"tiny-{arch}")
+    _add_metadata(writer, model.config)
+    for name, weight in model.state_dict().items():
+        gguf_name, qtype, values = _gguf_tensor(name, weight.numpy(), arch, model.config)
+        writer.add_tensor(gguf_name, _quantize(values, qtype), raw_dtype=qtype)
+    _write_gguf(writer)
+
+
+def _random_model(model_cls: type, config_cls: type) -> torch.nn.Module:
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA)).eval()
+    model = model_cls(config_cls(**TINY_LLAMA)).eval()
     with torch.no_grad():
         for param in model.parameters():  # norms are all ones at init: make them random
             param.uniform_(-1, 1)
     return model
 
 
-def test_tiny_gguf_matches_transformers_and_source(tmp_path, tiny_llama) -> None:
-    path = tmp_path / "tiny.gguf"
-    _write_tiny_gguf(str(path), tiny_llama.config, tiny_llama.state_dict())
-    ours = dict(iter_gguf_tensors(str(path)))
+@pytest.fixture(scope="module")
+def tiny_llama() -> LlamaForCausalLM:
+    return _random_model(LlamaForCausalLM, LlamaConfig)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_tiny_gguf_matches_transformers_and_source(tmp_path, arch: str) -> None:
+    model_cls, config_cls = {
+        "llama": (LlamaForCausalLM, LlamaConfig),
+        "qwen2": (Qwen2ForCausalLM, Qwen2Config),
+    }[arch]
+    source_model = _random_model(model_cls, config_cls)
+    _write_tiny_gguf(str(tmp_path / "tiny.gguf"), arch, source_model)
+    ours = dict(iter_gguf_tensors(str(tmp_path / "tiny.gguf")))
     ref = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="tiny.gguf", dtype=torch.float32)
     _assert_same_tensors(ours, ref.state_dict())
     # Against the source weights (uniform in [-1, 1]): quantization error only, which also
     # checks the q/k un-permutation independently of transformers.
-    source = tiny_llama.state_dict()
-    for hf_suffix, (_, qtype) in TINY_TENSORS.items():
-        name = f"model.layers.1.{hf_suffix}"
-        error = (ours[name] - source[name]).abs().max().item()
+    for name, weight in source_model.state_dict().items():
+        _, qtype, _ = _gguf_tensor(name, weight.numpy(), arch, source_model.config)
+        error = (ours[name] - weight).abs().max().item()
         assert error <= TINY_TOLERANCE[qtype], (name, error)
 
-    config = load_gguf_config(str(path))
+    config = load_gguf_config(str(tmp_path / "tiny.gguf"))
+    assert type(config) is config_cls and config.architectures == [model_cls.__name__]
     for field in CONFIG_FIELDS:
-        assert getattr(config, field) == getattr(ref.config, field), field
+        assert getattr(config, field, None) == getattr(ref.config, field, None), field
     assert config.tie_word_embeddings is False
+
+
+def test_rope_scaling_metadata(tmp_path) -> None:
+    path = str(tmp_path / "yarn.gguf")
+    writer = gguf.GGUFWriter(path, "llama")
+    _add_metadata(writer, LlamaConfig(**TINY_LLAMA))
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(4.0)
+    writer.add_rope_scaling_orig_ctx_len(64)
+    _write_gguf(writer)
+    config = load_gguf_config(path)
+    assert config.rope_parameters["rope_type"] == "yarn"
+    assert config.rope_parameters["factor"] == 4.0
+    assert config.rope_parameters["original_max_position_embeddings"] == 64
+    assert config.rope_parameters["rope_theta"] == TINY_LLAMA["rope_theta"]
+    assert config.tie_word_embeddings is True  # no output.weight
 
 
 # ---------------------------------------------------------------- Hugging Face directories
@@ -413,12 +455,10 @@ def test_resolve_errors(tmp_path) -> None:
         resolve_model(str(tmp_path))
 
 
-def test_unsupported_gguf_architecture(tmp_path) -> None:
-    path = str(tmp_path / "bert.gguf")
-    writer = gguf.GGUFWriter(path, "bert")
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+def test_bad_gguf_metadata(tmp_path) -> None:
+    _write_gguf(gguf.GGUFWriter(str(tmp_path / "bert.gguf"), "bert"))
     with pytest.raises(ValueError, match="architecture 'bert' is not supported"):
-        load_gguf_config(path)
+        load_gguf_config(str(tmp_path / "bert.gguf"))
+    _write_gguf(gguf.GGUFWriter(str(tmp_path / "empty.gguf"), "llama"))
+    with pytest.raises(ValueError, match="lacks the required key 'llama.attention.head_count'"):
+        load_gguf_config(str(tmp_path / "empty.gguf"))

@@ -11,6 +11,7 @@ GGUF (llama.cpp's format) differs from a Hugging Face checkpoint in four ways, u
 
 import functools
 import logging
+import os
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -68,9 +69,14 @@ _ROPE_SCALING_KEYS = {
 }
 
 
-@functools.lru_cache(maxsize=2)
 def _open_reader(path: str) -> gguf.GGUFReader:
     """Memory-map a GGUF file once (parsing its vocabulary metadata takes seconds)."""
+    stat = os.stat(path)
+    return _cached_reader(os.path.abspath(path), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=2)
+def _cached_reader(path: str, mtime_ns: int, size: int) -> gguf.GGUFReader:
     return gguf.GGUFReader(path)
 
 
@@ -89,17 +95,24 @@ def _architecture(reader: gguf.GGUFReader, path: str) -> str:
     return arch
 
 
-def _tensor_names(reader: gguf.GGUFReader) -> set[str]:
-    return {tensor.name for tensor in reader.tensors}
+def _required(reader: gguf.GGUFReader, key: str) -> Any:
+    value = _field(reader, key)
+    if value is None:
+        raise ValueError(f"GGUF metadata lacks the required key {key!r}")
+    return value
 
 
-def _single_count(value: Any, key: str) -> int:
-    """Head counts may be stored per layer; llmserve needs one value for all layers."""
-    if isinstance(value, list):
-        if len(set(value)) != 1:
-            raise ValueError(f"{key} differs between layers ({sorted(set(value))}); unsupported")
-        value = value[0]
-    return int(value)
+def _head_counts(reader: gguf.GGUFReader, arch: str) -> tuple[int, int]:
+    """(num_attention_heads, num_key_value_heads); llmserve needs the same for every layer."""
+    num_heads = _required(reader, f"{arch}.attention.head_count")
+    num_kv_heads = _field(reader, f"{arch}.attention.head_count_kv", num_heads)
+    counts = []
+    for key, value in (("head_count", num_heads), ("head_count_kv", num_kv_heads)):
+        values = set(value) if isinstance(value, list) else {value}
+        if len(values) != 1:
+            raise ValueError(f"{arch}.attention.{key} differs between layers: {sorted(values)}")
+        counts.append(int(values.pop()))
+    return counts[0], counts[1]
 
 
 def _rope_scaling(reader: gguf.GGUFReader, arch: str) -> dict[str, Any] | None:
@@ -132,33 +145,29 @@ def load_gguf_config(path: str) -> PretrainedConfig:
     reader = _open_reader(str(path))
     arch = _architecture(reader, path)
     config_cls, hf_architecture, _ = _ARCHITECTURES[arch]
-
-    def get(key: str, default: Any = None) -> Any:
-        return _field(reader, f"{arch}.{key}", default)
-
-    num_heads = _single_count(get("attention.head_count"), "attention.head_count")
-    hidden_size = int(get("embedding_length"))
-    num_kv_heads = _single_count(get("attention.head_count_kv", num_heads), "head_count_kv")
-    tensor_names = _tensor_names(reader)
-    vocab_size = get("vocab_size") or len(_field(reader, "tokenizer.ggml.tokens", []))
+    num_heads, num_kv_heads = _head_counts(reader, arch)
+    hidden_size = int(_required(reader, f"{arch}.embedding_length"))
+    tensor_names = {tensor.name for tensor in reader.tensors}
+    vocab_size = _field(reader, f"{arch}.vocab_size")
     kwargs: dict[str, Any] = dict(
         architectures=[hf_architecture],
-        vocab_size=int(vocab_size),
+        vocab_size=int(vocab_size or len(_required(reader, "tokenizer.ggml.tokens"))),
         hidden_size=hidden_size,
-        intermediate_size=int(get("feed_forward_length")),
-        num_hidden_layers=int(get("block_count")),
+        intermediate_size=int(_required(reader, f"{arch}.feed_forward_length")),
+        num_hidden_layers=int(_required(reader, f"{arch}.block_count")),
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
-        max_position_embeddings=int(get("context_length")),
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_theta=float(get("rope.freq_base", 10000.0)),
+        max_position_embeddings=int(_required(reader, f"{arch}.context_length")),
+        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
         tie_word_embeddings="output.weight" not in tensor_names,
         **_token_ids(reader),
     )
     if (rope_scaling := _rope_scaling(reader, arch)) is not None:
         kwargs["rope_scaling"] = rope_scaling
     if config_cls is LlamaConfig:
-        kwargs["head_dim"] = int(get("attention.key_length", hidden_size // num_heads))
+        head_dim = _field(reader, f"{arch}.attention.key_length", hidden_size // num_heads)
+        kwargs["head_dim"] = int(head_dim)
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
     if "rope_freqs.weight" in tensor_names:
         logger.warning("%s: rope_freqs.weight (llama3 rope factors) is ignored", path)
@@ -221,9 +230,7 @@ def iter_gguf_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     reader = _open_reader(str(path))
     arch = _architecture(reader, path)
     is_permuted = _ARCHITECTURES[arch][2]
-    num_heads = _single_count(_field(reader, f"{arch}.attention.head_count"), "head_count")
-    kv_field = _field(reader, f"{arch}.attention.head_count_kv", num_heads)
-    num_kv_heads = _single_count(kv_field, "head_count_kv")
+    num_heads, num_kv_heads = _head_counts(reader, arch)
     for tensor in reader.tensors:
         name = hf_tensor_name(tensor.name)
         if name is None:
