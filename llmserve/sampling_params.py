@@ -75,21 +75,53 @@ class SamplingParams:
         _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "in (0, 1]")
         _check(self.top_k >= 0, "top_k", self.top_k, "0 or -1 (disabled), or a positive integer")
         _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "in [0, 1]")
-        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", self.presence_penalty, "in [-2, 2]")
-        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", self.frequency_penalty, "in [-2, 2]")
-        _check(self.repetition_penalty > 0.0, "repetition_penalty", self.repetition_penalty, "> 0 (1 disables)")
-        _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", self.max_tokens, "an integer >= 1")
+        _check(
+            -2.0 <= self.presence_penalty <= 2.0,
+            "presence_penalty",
+            self.presence_penalty,
+            "in [-2, 2]",
+        )
+        _check(
+            -2.0 <= self.frequency_penalty <= 2.0,
+            "frequency_penalty",
+            self.frequency_penalty,
+            "in [-2, 2]",
+        )
+        _check(
+            self.repetition_penalty > 0.0,
+            "repetition_penalty",
+            self.repetition_penalty,
+            "> 0 (1 disables)",
+        )
+        _check(
+            self.max_tokens is None or self.max_tokens >= 1,
+            "max_tokens",
+            self.max_tokens,
+            "an integer >= 1",
+        )
         _check(self.min_tokens >= 0, "min_tokens", self.min_tokens, "an integer >= 0")
         if self.max_tokens is not None:
-            _check(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
-        _check(self.logprobs is None or self.logprobs >= 0, "logprobs", self.logprobs, "an integer >= 0")
+            _check(
+                self.min_tokens <= self.max_tokens,
+                "min_tokens",
+                self.min_tokens,
+                f"<= max_tokens ({self.max_tokens})",
+            )
+        _check(
+            self.logprobs is None or self.logprobs >= 0,
+            "logprobs",
+            self.logprobs,
+            "an integer >= 0",
+        )
         _check(
             self.prompt_logprobs is None or self.prompt_logprobs >= 0,
             "prompt_logprobs",
             self.prompt_logprobs,
             "an integer >= 0",
         )
-        _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "non-empty strings")
+        _check(
+            all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "non-empty strings"
+        )
         for bias in (self.logit_bias or {}).values():
             _check(-100.0 <= bias <= 100.0, "logit_bias", bias, "values in [-100, 100]")
 

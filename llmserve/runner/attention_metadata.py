@@ -19,6 +19,7 @@ KV pool of one layer (K and V alike), and how a block table maps positions to sl
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -37,6 +38,7 @@ class AttentionMetadata:
     # Host copies, so the torch backend can size its padding without a device sync.
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    plan: Any = None  # backend-specific indices built once per step (torch backend)
 
     @property
     def num_seqs(self) -> int:

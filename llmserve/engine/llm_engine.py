@@ -1,0 +1,195 @@
+"""The engine loop: admit requests, run one scheduled step at a time, emit outputs.
+
+One step:  scheduler.schedule() -> runner.execute() -> scheduler.update()
+           -> output_processor (detokenize, stop rules) -> RequestOutput per updated request.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from llmserve.config import EngineConfig
+from llmserve.engine.block_manager import BlockManager
+from llmserve.engine.detokenizer import IncrementalDetokenizer
+from llmserve.engine.output_processor import make_request_output, process_sample
+from llmserve.engine.scheduler import Scheduler, SchedulerOutput
+from llmserve.engine.sequence import FinishReason, Request, Sequence
+from llmserve.outputs import RequestOutput
+from llmserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+@dataclass
+class EngineStats:
+    """Running totals, read by the metrics endpoint and the benchmarks."""
+
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_steps: int = 0
+    num_batched_seqs: int = 0  # sum over steps of sequences per step
+    max_batched_seqs: int = 0
+
+
+class LLMEngine:
+    """Synchronous engine: ``add_request`` any time, call ``step`` until nothing is left."""
+
+    def __init__(self, config: EngineConfig):
+        from llmserve.loader import load_config, resolve_model
+        from llmserve.runner.worker import create_runner
+        from llmserve.tokenizer import get_tokenizer
+
+        self.config = config
+        self.resolved = resolve_model(config.model.model)
+        self.hf_config = load_config(self.resolved)
+        self.tokenizer = get_tokenizer(self.resolved)
+        self.max_model_len = self._max_model_len()
+        self.eos_token_id = self.tokenizer.eos_token_id
+        self.runner, num_blocks, info = create_runner(
+            self.resolved, self.hf_config, config, self.max_model_len, self.eos_token_id
+        )
+        logger.info(info)
+        self.kv_info = info
+        self.block_manager = BlockManager(
+            num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.model_name = config.model.served_model_name or self.resolved.display_name
+        self.stats = EngineStats()
+        self._seq_counter = itertools.count()
+        self._request_counter = itertools.count()
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> LLMEngine:
+        return cls(EngineConfig.from_kwargs(**kwargs))
+
+    def _max_model_len(self) -> int:
+        model_len = getattr(self.hf_config, "max_position_embeddings", None) or 2048
+        wanted = self.config.model.max_model_len
+        return model_len if wanted is None else wanted
+
+    # ---- requests -----------------------------------------------------------------------
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            prompt = prompt["prompt"]
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        return None, list(prompt)
+
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> Request:
+        """Validate and queue a request; raises ValueError when it can never run."""
+        params = params or SamplingParams()
+        text, prompt_ids = self.tokenize(prompt)
+        params = self._admit(prompt_ids, params)
+        request_id = request_id if request_id is not None else f"req-{next(self._request_counter)}"
+        if request_id in self.scheduler.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        request = Request(request_id, text, prompt_ids, params, priority)
+        if arrival_time is not None:
+            request.metrics.arrival_time = arrival_time
+        request.seqs = [
+            Sequence(next(self._seq_counter), request, i, list(prompt_ids)) for i in range(params.n)
+        ]
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None]
+        self.scheduler.add(request)
+        self.stats.num_prompt_tokens += len(prompt_ids)
+        return request
+
+    def _admit(self, prompt_ids: list[int], params: SamplingParams) -> SamplingParams:
+        """Refuse what can never fit, with the numbers and the flag to change."""
+        num_prompt = len(prompt_ids)
+        if num_prompt == 0:
+            raise ValueError("the prompt is empty; give at least one token")
+        vocab = self.hf_config.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            max_tokens = self.max_model_len - num_prompt
+        if num_prompt + max_tokens > self.max_model_len or max_tokens < 1:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} for "
+                "the completion). Reduce the prompt or max_tokens, or raise --max-model-len."
+            )
+        bm = self.block_manager
+        need = bm.num_blocks_for(num_prompt + max_tokens)
+        if need > bm.num_blocks:
+            raise ValueError(
+                f"The request needs {need} KV cache blocks ({num_prompt} prompt + {max_tokens} output tokens, "
+                f"{bm.block_size} tokens per block) but the whole pool has {bm.num_blocks} blocks. "
+                "Reduce the prompt or max_tokens, or raise --kv-cache-memory (--gpu-memory-utilization on CUDA)."
+            )
+        if max_tokens != params.max_tokens:
+            params = SamplingParams(**{**vars(params), "max_tokens": max_tokens})
+        return params
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
+            self.scheduler.abort(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step -----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one forward pass; return outputs of requests that changed."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        result = self.runner.execute(sched)
+        self._record_step(sched)
+        for request_id, logprobs in result.prompt_logprobs.items():
+            self.scheduler.requests[request_id].prompt_logprobs.extend(logprobs)
+        changed: dict[str, Request] = {}
+        now = time.monotonic()
+        for sample in self.scheduler.update(sched, result.samples):
+            seq = sample.seq
+            if seq.detokenizer is None:
+                seq.detokenizer = IncrementalDetokenizer(
+                    self.tokenizer,
+                    seq.request.prompt_token_ids,
+                    seq.request.params.skip_special_tokens,
+                )
+            reason = process_sample(sample, self.eos_token_id, self.max_model_len)
+            if reason is not None:
+                self._finish(seq, reason)
+            self._touch(seq.request, now)
+            self.stats.num_generation_tokens += 1
+            changed[seq.request.request_id] = seq.request
+        return [make_request_output(r) for r in changed.values()]
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        if seq.stop_reason is None or isinstance(seq.stop_reason, int):
+            seq.output_text += seq.detokenizer.finish()
+        self.scheduler.finish(seq, reason)
+        if seq.request.is_finished:
+            seq.request.metrics.finished_time = time.monotonic()
+
+    def _touch(self, request: Request, now: float) -> None:
+        metrics = request.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        metrics.last_token_time = now
+
+    def _record_step(self, sched: SchedulerOutput) -> None:
+        self.stats.num_steps += 1
+        self.stats.num_batched_seqs += len(sched.scheduled)
+        self.stats.max_batched_seqs = max(self.stats.max_batched_seqs, len(sched.scheduled))

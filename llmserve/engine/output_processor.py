@@ -1,0 +1,86 @@
+"""After each step: detokenize new tokens, apply stopping rules, build ``RequestOutput``s.
+
+Stopping rules, checked per new token (all but the length rules wait for ``min_tokens``):
+a token in ``stop_token_ids``; EOS (unless ``ignore_eos``); a ``stop`` string anywhere in
+the new text, matched across token boundaries (the text is cut before it); ``max_tokens``;
+``max_model_len``. While a request has stop strings, the last ``len(longest) - 1``
+characters are held back from unfinished outputs, so a stream never shows the start of a
+stop string that is then taken back.
+"""
+
+from __future__ import annotations
+
+from llmserve.engine.scheduler import SampledSeq
+from llmserve.engine.sequence import FinishReason, Request, Sequence
+from llmserve.outputs import CompletionOutput, RequestOutput
+
+
+def process_sample(
+    sample: SampledSeq, eos_token_id: int | None, max_model_len: int
+) -> FinishReason | None:
+    """Record one new token on its sequence; return why the sequence stops, if it does."""
+    seq, token_id = sample.seq, sample.token_id
+    params = seq.request.params
+    if sample.logprobs is not None:
+        seq.logprobs.append(sample.logprobs)
+        seq.cumulative_logprob += sample.logprobs.get(token_id, 0.0)
+    can_stop = seq.num_output_tokens >= params.min_tokens
+    if can_stop and token_id in params.stop_token_ids:
+        seq.stop_reason = token_id
+        return FinishReason.STOP
+    if can_stop and token_id == eos_token_id and not params.ignore_eos:
+        return FinishReason.STOP
+    delta = seq.detokenizer.append(token_id)
+    seq.output_text += delta
+    if can_stop and params.stop and _match_stop_string(seq, len(delta)):
+        return FinishReason.STOP
+    if seq.num_output_tokens >= seq.request.max_tokens or seq.num_tokens >= max_model_len:
+        return FinishReason.LENGTH
+    return None
+
+
+def _match_stop_string(seq: Sequence, delta_len: int) -> bool:
+    """Look for a stop string that ends in the newest text; cut the text if one is found."""
+    params = seq.request.params
+    text = seq.output_text
+    for stop in params.stop:
+        start = max(0, len(text) - delta_len - len(stop) + 1)
+        index = text.find(stop, start)
+        if index != -1:
+            end = index + len(stop) if params.include_stop_str_in_output else index
+            seq.output_text = text[:end]
+            seq.stop_reason = stop
+            return True
+    return False
+
+
+def make_request_output(request: Request) -> RequestOutput:
+    """A snapshot of everything the request produced so far."""
+    params = request.params
+    holdback = max((len(s) for s in params.stop), default=1) - 1
+    outputs = []
+    for seq in request.seqs[: len(request.seqs) if request.is_forked else 1]:
+        text = seq.output_text
+        if not seq.is_finished and holdback:
+            text = text[: max(0, len(text) - holdback)]
+        outputs.append(
+            CompletionOutput(
+                index=seq.index,
+                text=text,
+                token_ids=list(seq.output_token_ids),
+                cumulative_logprob=seq.cumulative_logprob if params.logprobs is not None else None,
+                logprobs=list(seq.logprobs) if params.logprobs is not None else None,
+                finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+                stop_reason=seq.stop_reason,
+            )
+        )
+    return RequestOutput(
+        request_id=request.request_id,
+        prompt=request.prompt,
+        prompt_token_ids=request.prompt_token_ids,
+        outputs=outputs,
+        finished=request.is_finished,
+        prompt_logprobs=request.prompt_logprobs if params.prompt_logprobs is not None else None,
+        num_cached_tokens=request.seqs[0].num_cached_tokens,
+        metrics=vars(request.metrics).copy(),
+    )

@@ -1,0 +1,233 @@
+"""Continuous batching with a token budget (vLLM v1's rule), plain Python.
+
+Every step hands out at most ``max_num_batched_tokens`` tokens over at most
+``max_num_seqs`` sequences:
+
+  1. running sequences first, in priority order: one token each for decodes, a chunk for
+     prompts still being prefilled; when the pool is out of blocks, the least important
+     running sequence is preempted (its blocks freed, it goes back to the waiting queue and
+     is recomputed later, the prefix cache permitting);
+  2. then waiting sequences, while budget, sequence slots and blocks last; a prompt longer
+     than the remaining budget is chunked over several steps.
+
+Decodes and prefill chunks go into the same forward pass. The interface is small:
+``add`` -> ``schedule() -> SchedulerOutput`` -> ``update(output, samples)`` -> ``abort``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from llmserve.config import SchedulerConfig
+from llmserve.engine.block_manager import BlockManager
+from llmserve.engine.sequence import FinishReason, Request, Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    """One sequence in a step: compute ``num_tokens`` tokens from ``seq.num_computed_tokens``."""
+
+    seq: Sequence
+    num_tokens: int
+    num_samples: int  # 0 mid-prompt, 1 normally, n when this step forks a request
+
+
+@dataclass
+class SchedulerOutput:
+    """What the runner must do this step. Decodes come first, then prefill chunks."""
+
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst)
+    finished_seq_ids: list[int] = field(default_factory=list)  # runner may drop their state
+    num_preempted: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+
+@dataclass
+class SampledSeq:
+    """A sequence that received a new token this step (a fork yields one per child)."""
+
+    seq: Sequence
+    token_id: int
+    logprobs: dict[int, float] | None
+
+
+class Scheduler:
+    """Decides which sequences run each step; owns the waiting and running queues."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: list[Sequence] = []  # sorted by self._key
+        self.running: list[Sequence] = []  # sorted by self._key
+        self.requests: dict[str, Request] = {}
+        self._finished_seq_ids: list[int] = []
+        self.num_preemptions = 0
+        self.can_admit: Callable[[Scheduler], bool] = lambda _: True  # batching strategy hook
+
+    # ---- interface ------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self._insert(self.waiting, request.seqs[0])
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if out.num_preempted == 0 and self.can_admit(self):
+            self._schedule_waiting(out, budget)
+        # One query token = decode attention (query at the last position), whatever its kind.
+        out.scheduled.sort(key=lambda s: s.num_tokens != 1)
+        out.blocks_to_copy = self.block_manager.take_blocks_to_copy()
+        out.finished_seq_ids, self._finished_seq_ids = self._finished_seq_ids, []
+        return out
+
+    def update(
+        self, out: SchedulerOutput, samples: dict[int, list[tuple[int, dict | None]]]
+    ) -> list[SampledSeq]:
+        """Advance sequences by what the runner computed; ``samples`` maps seq_id -> tokens."""
+        sampled: list[SampledSeq] = []
+        for item in out.scheduled:
+            seq = item.seq
+            if seq.is_finished:  # aborted while the step ran
+                continue
+            seq.num_computed_tokens += item.num_tokens
+            self.block_manager.cache_full_blocks(seq)
+            if item.num_samples == 0:
+                continue
+            tokens = samples[seq.seq_id]
+            targets = self._fork(seq) if item.num_samples > 1 else [seq]
+            for target, (token_id, logprobs) in zip(targets, tokens):
+                target.token_ids.append(token_id)
+                sampled.append(SampledSeq(target, token_id, logprobs))
+        return sampled
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """End one sequence and free its blocks."""
+        if seq.is_finished:
+            return
+        queue = self.running if seq.status is SequenceStatus.RUNNING else self.waiting
+        if seq in queue:
+            queue.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.block_manager.free(seq)
+        self._finished_seq_ids.append(seq.seq_id)
+        if seq.request.is_finished:
+            self.requests.pop(seq.request.request_id, None)
+
+    def abort(self, request_id: str) -> bool:
+        """Abort every sequence of a request; returns False for an unknown id."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        for seq in request.seqs:
+            self.finish(seq, FinishReason.ABORT)
+        return True
+
+    # ---- running ------------------------------------------------------------------------
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        scheduled: set[int] = set()
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:  # preempted in this loop
+                continue
+            num_tokens = min(seq.num_uncomputed_tokens, budget)
+            if not self._make_room(seq, num_tokens, scheduled, out):
+                continue
+            self.block_manager.allocate(seq, num_tokens)
+            out.scheduled.append(ScheduledSeq(seq, num_tokens, self._num_samples(seq, num_tokens)))
+            scheduled.add(seq.seq_id)
+            budget -= num_tokens
+        return budget
+
+    def _make_room(
+        self, seq: Sequence, num_tokens: int, scheduled: set[int], out: SchedulerOutput
+    ) -> bool:
+        """Preempt the least important unscheduled sequences until ``seq`` fits."""
+        while not self.block_manager.can_allocate(seq, num_tokens):
+            victims = [s for s in self.running if s.seq_id not in scheduled]
+            victim = victims[-1]  # running is sorted: the last is the least important
+            self._preempt(victim)
+            out.num_preempted += 1
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.num_preemptions += 1
+        self._insert(self.waiting, seq)
+
+    # ---- waiting ------------------------------------------------------------------------
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        num_seqs = sum(1 + s.request.num_pending_forks for s in self.running)
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            if num_seqs + 1 + seq.request.num_pending_forks > self.config.max_num_seqs:
+                break
+            if not seq.block_ids and seq.request.params.prompt_logprobs is None:
+                seq.num_computed_tokens = self.block_manager.acquire_cached_prefix(seq)
+                if seq.num_output_tokens == 0:
+                    seq.num_cached_tokens = seq.num_computed_tokens
+            num_tokens = min(seq.num_uncomputed_tokens, budget)
+            chunk_refused = (
+                num_tokens < seq.num_uncomputed_tokens and not self.config.enable_chunked_prefill
+            )
+            if chunk_refused or not self.block_manager.can_allocate(seq, num_tokens):
+                self.block_manager.free(seq)
+                seq.num_computed_tokens = 0
+                break
+            self.waiting.pop(0)
+            self.block_manager.allocate(seq, num_tokens)
+            seq.status = SequenceStatus.RUNNING
+            self._insert(self.running, seq)
+            out.scheduled.append(ScheduledSeq(seq, num_tokens, self._num_samples(seq, num_tokens)))
+            if seq.request.metrics.first_scheduled_time is None:
+                seq.request.metrics.first_scheduled_time = time.monotonic()
+            num_seqs += 1 + seq.request.num_pending_forks
+            budget -= num_tokens
+
+    # ---- helpers ------------------------------------------------------------------------
+    def _num_samples(self, seq: Sequence, num_tokens: int) -> int:
+        if num_tokens < seq.num_uncomputed_tokens:
+            return 0
+        return 1 + seq.request.num_pending_forks
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        """Start the request's other sequences on ``parent``'s blocks."""
+        request = parent.request
+        for child in request.seqs[1:]:
+            child.token_ids = list(parent.token_ids)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.num_cached_tokens = parent.num_cached_tokens
+            self.block_manager.fork(parent, child)
+            child.status = SequenceStatus.RUNNING
+            self._insert(self.running, child)
+        request.is_forked = True
+        return request.seqs
+
+    def _key(self, seq: Sequence) -> tuple:
+        request = seq.request
+        if self.config.scheduling_policy == "priority":
+            return (request.priority, request.arrival_time, seq.seq_id)
+        return (request.arrival_time, seq.seq_id)
+
+    def _insert(self, queue: list[Sequence], seq: Sequence) -> None:
+        bisect.insort(queue, seq, key=self._key)

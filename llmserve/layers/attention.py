@@ -1,0 +1,88 @@
+"""Attention over the paged KV cache, with a choice of backend (torch or Triton)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from llmserve.layers.paged_attention_torch import TorchAttentionPlan, paged_attention_torch
+from llmserve.runner.attention_metadata import AttentionMetadata
+
+KVCache = tuple[
+    torch.Tensor, torch.Tensor
+]  # k, v: [num_blocks, block_size, num_kv_heads, head_dim]
+
+
+class Attention(nn.Module):
+    """Writes this step's K/V into the pool, then attends over each sequence's context."""
+
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, backend: str
+    ):
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv_heads})"
+            )
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = scale
+        self.backend = backend
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """q ``[T, H * D]``, k/v ``[T, kvh * D]`` -> ``[T, H * D]``."""
+        num_tokens = q.shape[0]
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = kv_cache
+        if self.backend == "triton":
+            out = self._triton(q, k, v, k_cache, v_cache, meta)
+        else:
+            write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            assert isinstance(meta.plan, TorchAttentionPlan)
+            out = paged_attention_torch(q, k_cache, v_cache, meta, meta.plan, self.scale)
+        return out.view(num_tokens, self.num_heads * self.head_dim)
+
+    def _triton(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        from llmserve import kernels
+
+        kernels.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            out[:nd] = kernels.paged_decode_attention(
+                q[:nd], k_cache, v_cache, meta.seq_lens[:nd], meta.block_tables[:nd], self.scale
+            )
+        if meta.num_seqs > nd:
+            start = meta.query_start_loc[nd:] - nd  # [num_prefills + 1]
+            out[nd:] = kernels.flash_attn_varlen_paged(
+                q[nd:],
+                k_cache,
+                v_cache,
+                start,
+                meta.seq_lens[nd:],
+                meta.block_tables[nd:],
+                self.scale,
+                max(meta.query_lens_cpu[nd:]),
+            )
+        return out
+
+
+def write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store new keys and values at their slots: ``cache.view(-1, kvh, D)[slot] = k``."""
+    kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v)

@@ -1,0 +1,35 @@
+"""RMSNorm, with the residual add fused into the same call."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """``x / rms(x) * weight``; with ``residual`` it returns ``(norm(x + residual), x + residual)``."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, use_triton: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+        self.use_triton = use_triton
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.use_triton:
+            from llmserve.kernels import rms_norm
+
+            return rms_norm(x, self.weight, self.eps, residual)
+        if residual is not None:
+            x = x + residual
+            residual = x
+        normed = self._norm(x)
+        return normed if residual is None else (normed, residual)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        variance = x32.pow(2).mean(-1, keepdim=True)  # [num_tokens, 1]
+        return (x32 * torch.rsqrt(variance + self.eps)).to(dtype) * self.weight

@@ -1,0 +1,104 @@
+"""The offline API: ``LLM(model).generate(prompts, SamplingParams(...))``, as in vLLM."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from llmserve.engine.llm_engine import LLMEngine, PromptType
+from llmserve.outputs import RequestOutput
+from llmserve.sampling_params import SamplingParams
+
+
+class LLM:
+    """Runs batches of prompts through the engine; every engine option is a keyword.
+
+    >>> llm = LLM(max_model_len=1024, kv_cache_memory=2**30)
+    >>> llm.generate(["Hello"], SamplingParams(max_tokens=8))[0].outputs[0].text
+    """
+
+    def __init__(self, model: str | None = None, **engine_options: Any):
+        self.llm_engine = LLMEngine.from_kwargs(model=model, **engine_options)
+        self._counter = 0
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: list[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text, token ids, or ``{"prompt_token_ids": [...]}``)."""
+        prompts = self._as_list(prompts)
+        params = self._per_prompt(sampling_params, len(prompts))
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"priority has {len(priority)} entries for {len(prompts)} prompts")
+        request_ids = []
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            request_id = f"offline-{self._counter}"
+            self._counter += 1
+            self.llm_engine.add_request(request_id, prompt, p, priority[i] if priority else 0)
+            request_ids.append(request_id)
+        return self._run(request_ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tokenizer = self.llm_engine.tokenizer
+        prompts = [
+            {
+                "prompt_token_ids": tokenizer.apply_chat_template(
+                    c, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+                )
+            }
+            for c in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm)
+        try:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        bar.update(1)
+        except BaseException:
+            engine.abort_request(request_ids)
+            raise
+        finally:
+            bar.close()
+        return [finished[r] for r in request_ids]
+
+    @staticmethod
+    def _as_list(prompts) -> list[PromptType]:
+        if isinstance(prompts, (str, dict)):
+            return [prompts]
+        prompts = list(prompts)
+        if prompts and isinstance(prompts[0], int):
+            return [prompts]  # one prompt given as token ids
+        return prompts
+
+    @staticmethod
+    def _per_prompt(params, num_prompts: int) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams()] * num_prompts
+        if isinstance(params, SamplingParams):
+            return [params] * num_prompts
+        params = list(params)
+        if len(params) != num_prompts:
+            raise ValueError(f"got {len(params)} SamplingParams for {num_prompts} prompts")
+        return params

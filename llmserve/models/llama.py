@@ -1,0 +1,179 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, SmolLM): our own implementation.
+
+Projections are fused: ``qkv_proj`` holds q, k and v rows; ``gate_up_proj`` holds gate and up.
+Optional q/k/v bias (Qwen2), tied or separate LM head, any ``num_key_value_heads`` (GQA/MQA).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from llmserve.layers.activation import SiluAndMul
+from llmserve.layers.attention import Attention, KVCache
+from llmserve.layers.layernorm import RMSNorm
+from llmserve.layers.rotary import RotaryEmbedding, rope_parameters
+from llmserve.runner.attention_metadata import AttentionMetadata
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: Any, max_model_len: int, backend: str):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        bias = bool(getattr(config, "attention_bias", False) or config.model_type == "qwen2")
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        use_triton = backend == "triton"
+        self.rotary_emb = RotaryEmbedding(
+            self.head_dim,
+            rope_parameters(config),
+            config.max_position_embeddings,
+            max_model_len,
+            use_triton,
+        )
+        self.attn = Attention(
+            self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, backend
+        )
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.rotary_emb(positions, q.contiguous(), k.contiguous())
+        return self.o_proj(self.attn(q, k, v.contiguous(), kv_cache, meta))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: Any, use_triton: bool):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.act = SiluAndMul(use_triton)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: Any, max_model_len: int, backend: str):
+        super().__init__()
+        use_triton = backend == "triton"
+        self.self_attn = LlamaAttention(config, max_model_len, backend)
+        self.mlp = LlamaMLP(config, use_triton)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, use_triton)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, use_triton)
+
+    def forward(self, positions, x, residual, kv_cache: KVCache, meta: AttentionMetadata):
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder stack plus LM head; ``forward`` returns hidden states, ``compute_logits`` logits."""
+
+    # Hugging Face name fragment -> (our parameter fragment, shard index) for fused weights.
+    FUSED = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config: Any, max_model_len: int, attention_backend: str = "torch"):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, max_model_len, attention_backend)
+            for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, attention_backend == "triton")
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = (
+            None
+            if self.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """``input_ids, positions: [T]`` -> hidden states ``[T, hidden]``."""
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x, residual = layer(positions, x, residual, kv_cache, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden: [N, hidden]`` at the positions that sample -> ``[N, vocab]``."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return hidden @ weight.t()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors into our (partly fused) parameters."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            if "rotary_emb" in hf_name:
+                continue
+            name = hf_name.removeprefix("model.")
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue
+            target, shard = self._target(name)
+            if target not in params:
+                raise ValueError(
+                    f"checkpoint tensor {hf_name!r} has no place in {type(self).__name__}"
+                )
+            self._copy_shard(params[target], tensor, shard, target)
+            loaded.add(target)
+        missing = set(params) - loaded
+        if missing:
+            raise ValueError(f"checkpoint lacks tensors for {sorted(missing)[:8]}")
+
+    def _target(self, name: str) -> tuple[str, int | None]:
+        for hf_part, (ours, shard) in self.FUSED.items():
+            if f".{hf_part}." in name:
+                return name.replace(hf_part, ours), shard
+        return name, None
+
+    def _copy_shard(
+        self, param: nn.Parameter, tensor: torch.Tensor, shard: int | None, name: str
+    ) -> None:
+        with torch.no_grad():
+            if shard is None:
+                if param.shape != tensor.shape:
+                    raise ValueError(
+                        f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(param.shape)}"
+                    )
+                param.copy_(tensor)
+                return
+            sizes = self._shard_sizes(name)
+            start = sum(sizes[:shard])
+            param[start : start + sizes[shard]].copy_(tensor)
+
+    def _shard_sizes(self, name: str) -> list[int]:
+        if "qkv_proj" in name:
+            attn = self.layers[0].self_attn
+            return [attn.q_size, attn.kv_size, attn.kv_size]
+        return [self.config.intermediate_size] * 2

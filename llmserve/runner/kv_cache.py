@@ -1,0 +1,92 @@
+"""Sizing and allocating the paged KV cache, and the arithmetic the engine prints.
+
+Memory per token = 2 (K and V) x bytes per value x layers x kv_heads x head_dim.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from llmserve.config import CacheConfig
+
+logger = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_BYTES = 1 << 30
+GIB = float(1 << 30)
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """Shape of one layer's pool and what one token costs across all layers."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    block_size: int
+
+    @property
+    def bytes_per_token(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * elem * self.num_layers * self.num_kv_heads * self.head_dim
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.bytes_per_token * self.block_size
+
+
+def kv_cache_budget(cache: CacheConfig, device: torch.device) -> int:
+    """Bytes the KV cache may take on ``device`` (weights already loaded)."""
+    if cache.kv_cache_memory is not None:
+        return cache.kv_cache_memory
+    if device.type != "cuda":
+        return CPU_DEFAULT_KV_BYTES
+    free, total = torch.cuda.mem_get_info(device)
+    used = total - free
+    activation_reserve = 1 << 30
+    return max(0, int(total * cache.gpu_memory_utilization) - used - activation_reserve)
+
+
+def describe(spec: KVCacheSpec, num_blocks: int, max_model_len: int) -> str:
+    """The KV arithmetic, for the start-up log."""
+    tokens = num_blocks * spec.block_size
+    per_token = spec.bytes_per_token
+    per_seq = per_token * max_model_len
+    return (
+        f"KV cache: {per_token} B/token (2 x {torch.empty((), dtype=spec.dtype).element_size()} B x "
+        f"{spec.num_layers} layers x {spec.num_kv_heads} kv heads x {spec.head_dim} head_dim); "
+        f"{num_blocks} blocks x {spec.block_size} tokens = {tokens} tokens "
+        f"({num_blocks * spec.bytes_per_block / GIB:.2f} GiB); one {max_model_len}-token sequence needs "
+        f"{per_seq / GIB:.3f} GiB, so {tokens / max_model_len:.2f} full-length sequences fit"
+    )
+
+
+def allocate(
+    spec: KVCacheSpec, num_blocks: int, device: torch.device
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One (K, V) pool pair per layer: ``[num_blocks, block_size, num_kv_heads, head_dim]``."""
+    shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    return [
+        (
+            torch.zeros(shape, dtype=spec.dtype, device=device),
+            torch.zeros(shape, dtype=spec.dtype, device=device),
+        )
+        for _ in range(spec.num_layers)
+    ]
+
+
+def copy_blocks(
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]], copies: list[tuple[int, int]]
+) -> None:
+    """Apply copy-on-write: block ``dst`` becomes a copy of block ``src`` in every layer."""
+    if not copies:
+        return
+    device = kv_caches[0][0].device
+    src = torch.tensor([s for s, _ in copies], device=device)
+    dst = torch.tensor([d for _, d in copies], device=device)
+    for k_cache, v_cache in kv_caches:
+        k_cache[dst] = k_cache[src]
+        v_cache[dst] = v_cache[src]

@@ -1,0 +1,197 @@
+"""The model runner: builds flat tensors from the scheduler's output, runs the model, samples.
+
+Nothing here lives across steps except the weights, the KV pool and the per-sequence random
+generators: every step's tensors are rebuilt from the ``SchedulerOutput``.
+
+    scheduled:  [d0] [d1] [p0 chunk: 3 tokens] [p1 chunk: 2 tokens]
+    input_ids:   t    t    t  t  t              t  t
+    positions:   9    3    0  1  2              128 129
+    slot_mapping: block_table[pos // bs] * bs + pos % bs, per token
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from llmserve.engine.scheduler import ScheduledSeq, SchedulerOutput
+from llmserve.layers.paged_attention_torch import build_plan
+from llmserve.runner import kv_cache
+from llmserve.runner.attention_metadata import AttentionMetadata
+from llmserve.runner.sampler import Sampler, SamplingRow, compute_prompt_logprobs
+
+logger = logging.getLogger(__name__)
+
+Sample = tuple[int, dict[int, float] | None]  # token id, logprobs
+
+
+@dataclass
+class RunnerOutput:
+    """Per sequence id: the sampled tokens (n for a fork step); prompt logprobs per request."""
+
+    samples: dict[int, list[Sample]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # [num_sampling_seqs] last token of each sampling sequence
+
+
+class ModelRunner:
+    """Owns the model and the KV pool; ``execute`` runs one scheduled step."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_caches,
+        block_size: int,
+        device: torch.device,
+        eos_token_id: int | None,
+        attention_backend: str,
+    ):
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = device
+        self.eos_token_id = eos_token_id
+        self.attention_backend = attention_backend
+        self.sampler = Sampler()
+        self.generators: dict[int, torch.Generator] = {}
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        for seq_id in sched.finished_seq_ids:
+            self.generators.pop(seq_id, None)
+        kv_cache.copy_blocks(self.kv_caches, sched.blocks_to_copy)
+        inputs = self.prepare_inputs(sched.scheduled)
+        hidden = self.model(
+            inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta
+        )  # [T, hidden]
+        out = RunnerOutput()
+        self._sample(sched.scheduled, hidden, inputs.logits_indices, out)
+        self._prompt_logprobs(sched.scheduled, hidden, inputs.meta, out)
+        return out
+
+    # ---- inputs -------------------------------------------------------------------------
+    def prepare_inputs(self, scheduled: list[ScheduledSeq]) -> StepInputs:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start = [0]
+        logits_indices: list[int] = []
+        bs = self.block_size
+        for item in scheduled:
+            seq, start = item.seq, item.seq.num_computed_tokens
+            end = start + item.num_tokens
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            table = seq.block_ids
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            query_start.append(query_start[-1] + item.num_tokens)
+            if item.num_samples:
+                logits_indices.append(query_start[-1] - 1)
+        seq_lens = [s.seq.num_computed_tokens + s.num_tokens for s in scheduled]
+        max_blocks = max(len(s.seq.block_ids) for s in scheduled)
+        tables = [s.seq.block_ids + [0] * (max_blocks - len(s.seq.block_ids)) for s in scheduled]
+        meta = AttentionMetadata(
+            num_decodes=sum(1 for s in scheduled if s.num_tokens == 1),
+            query_start_loc=self._tensor(query_start, torch.int32),
+            seq_lens=self._tensor(seq_lens, torch.int32),
+            block_tables=self._tensor(tables, torch.int32),
+            slot_mapping=self._tensor(slots, torch.int64),
+            max_query_len=max(s.num_tokens for s in scheduled),
+            max_seq_len=max(seq_lens),
+            query_lens_cpu=[s.num_tokens for s in scheduled],
+            seq_lens_cpu=seq_lens,
+        )
+        if self.attention_backend == "torch":
+            meta.plan = build_plan(meta, bs)
+        return StepInputs(
+            input_ids=self._tensor(input_ids, torch.int64),
+            positions=self._tensor(positions, torch.int64),
+            meta=meta,
+            logits_indices=self._tensor(logits_indices, torch.int64),
+        )
+
+    def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
+
+    # ---- sampling -----------------------------------------------------------------------
+    def _sample(
+        self,
+        scheduled: list[ScheduledSeq],
+        hidden: torch.Tensor,
+        logits_indices: torch.Tensor,
+        out: RunnerOutput,
+    ) -> None:
+        sampling = [s for s in scheduled if s.num_samples]
+        if not sampling:
+            return
+        logits = self.model.compute_logits(hidden[logits_indices])  # [num_sampling, vocab]
+        row_of: list[int] = []
+        rows: list[SamplingRow] = []
+        for i, item in enumerate(sampling):
+            targets = (
+                item.seq.request.seqs[: item.num_samples] if item.num_samples > 1 else [item.seq]
+            )
+            for target in targets:
+                row_of.append(i)
+                rows.append(self._row(item, target))
+        if len(rows) != len(sampling):
+            logits = logits[torch.tensor(row_of, device=logits.device)]  # forks: one row per child
+        result = self.sampler(logits.float(), rows)
+        k = 0
+        for item in sampling:
+            n = len(item.seq.request.seqs[: item.num_samples]) if item.num_samples > 1 else 1
+            out.samples[item.seq.seq_id] = [
+                (result.sampled_token_ids[j], result.logprobs[j]) for j in range(k, k + n)
+            ]
+            k += n
+
+    def _row(self, item: ScheduledSeq, target) -> SamplingRow:
+        request = item.seq.request
+        return SamplingRow(
+            params=request.params,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=item.seq.output_token_ids,
+            generator=self._generator(target),
+            eos_token_id=self.eos_token_id,
+        )
+
+    def _generator(self, seq) -> torch.Generator | None:
+        seed = seq.request.params.seed
+        if seed is None:
+            return None
+        gen = self.generators.get(seq.seq_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed((seed * 1_000_003 + seq.index) % (1 << 63))
+            self.generators[seq.seq_id] = gen
+        return gen
+
+    def _prompt_logprobs(
+        self,
+        scheduled: list[ScheduledSeq],
+        hidden: torch.Tensor,
+        meta: AttentionMetadata,
+        out: RunnerOutput,
+    ) -> None:
+        for i, item in enumerate(scheduled):
+            seq, request = item.seq, item.seq.request
+            num = request.params.prompt_logprobs
+            if num is None or seq.index != 0 or seq.num_output_tokens:
+                continue
+            start = seq.num_computed_tokens
+            end = min(start + item.num_tokens, seq.num_prompt_tokens - 1)  # last predicts output
+            if end <= start:
+                continue
+            base = sum(meta.query_lens_cpu[:i])
+            logits = self.model.compute_logits(hidden[base : base + end - start]).float()
+            targets = seq.token_ids[start + 1 : end + 1]
+            out.prompt_logprobs[request.request_id] = compute_prompt_logprobs(logits, targets, num)

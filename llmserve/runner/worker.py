@@ -1,0 +1,100 @@
+"""Builds the torch side of the engine: device, dtype, model weights, KV pool, model runner."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from llmserve.config import EngineConfig
+from llmserve.loader import ResolvedModel, iter_weights
+from llmserve.models.registry import get_model_class
+from llmserve.runner import kv_cache
+from llmserve.runner.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for but torch sees no CUDA GPU; use --device cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+def resolve_attention_backend(name: str, device: torch.device) -> str:
+    from llmserve.kernels import is_triton_available
+
+    if name == "auto":
+        return "triton" if device.type == "cuda" and is_triton_available() else "torch"
+    if name == "triton" and not is_triton_available():
+        raise ValueError(
+            "attention backend 'triton' needs triton and a CUDA GPU (or TRITON_INTERPRET=1); use --attention-backend torch"
+        )
+    return name
+
+
+def load_model(
+    resolved: ResolvedModel,
+    hf_config,
+    config: EngineConfig,
+    max_model_len: int,
+    dtype,
+    device,
+    backend: str,
+):
+    """Instantiate the architecture and fill in its weights (or random ones for ``dummy``)."""
+    model_class = get_model_class(hf_config)
+    torch.manual_seed(config.model.seed)
+    with torch.device(device):
+        model = model_class(hf_config, max_model_len, backend)
+    if config.model.load_format == "dummy":
+        for param in model.parameters():
+            torch.nn.init.normal_(param.data, std=0.02)
+    else:
+        model.load_weights(iter_weights(resolved))
+    return model.to(dtype=dtype).eval()
+
+
+def create_runner(
+    resolved: ResolvedModel,
+    hf_config,
+    config: EngineConfig,
+    max_model_len: int,
+    eos_token_id: int | None,
+) -> tuple[ModelRunner, int, str]:
+    """Load the model, size and allocate the KV pool; returns (runner, num_blocks, kv log line)."""
+    device = resolve_device(config.device.device)
+    dtype = resolve_dtype(config.model.dtype, device)
+    backend = resolve_attention_backend(config.device.attention_backend, device)
+    model = load_model(resolved, hf_config, config, max_model_len, dtype, device, backend)
+    attn = model.layers[0].self_attn
+    spec = kv_cache.KVCacheSpec(
+        num_layers=hf_config.num_hidden_layers,
+        num_kv_heads=attn.num_kv_heads,
+        head_dim=attn.head_dim,
+        dtype=dtype,
+        block_size=config.cache.block_size,
+    )
+    num_blocks = kv_cache.kv_cache_budget(config.cache, device) // spec.bytes_per_block
+    if num_blocks < 1:
+        raise ValueError(
+            f"the KV cache budget holds no block of {spec.bytes_per_block} bytes; raise --kv-cache-memory "
+            "or --gpu-memory-utilization"
+        )
+    caches = kv_cache.allocate(spec, num_blocks, device)
+    runner = ModelRunner(model, caches, spec.block_size, device, eos_token_id, backend)
+    info = (
+        f"model {resolved.display_name} on {device} ({dtype}, attention: {backend}); "
+        + kv_cache.describe(spec, num_blocks, max_model_len)
+    )
+    return runner, num_blocks, info
