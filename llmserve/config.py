@@ -66,6 +66,19 @@ class SchedulerConfig:
     max_num_batched_tokens: int = _opt(8192, "Most tokens (prefill + decode) in one step")
     enable_chunked_prefill: bool = _opt(True, "Split long prompts over several steps")
     scheduling_policy: str = _opt("fcfs", "Order of admission and preemption", ("fcfs", "priority"))
+    batching: str = _opt(
+        "continuous",
+        "continuous: join/leave every step; static: run a group until all finish; "
+        "dynamic: static, but a group starts when full or after --batch-wait-ms",
+        ("continuous", "dynamic", "static"),
+    )
+    batch_wait_ms: float = _opt(50.0, "dynamic batching: longest wait for a group to fill (ms)")
+    waiting_served_ratio: float = _opt(
+        0.0, "continuous (TGI): admit prefills only when waiting >= ratio x running (0 = always)"
+    )
+    max_waiting_tokens: int = _opt(
+        20, "continuous (TGI): force admission after this many decode steps without one"
+    )
 
 
 @dataclass(frozen=True)
