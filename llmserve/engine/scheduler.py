@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from llmserve.config import SchedulerConfig
+from llmserve.engine.batching import make_policy
 from llmserve.engine.block_manager import BlockManager
 from llmserve.engine.sequence import FinishReason, Request, Sequence, SequenceStatus
 
@@ -73,7 +73,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._finished_seq_ids: list[int] = []
         self.num_preemptions = 0
-        self.can_admit: Callable[[Scheduler], bool] = lambda _: True  # batching strategy hook
+        self.policy = make_policy(config)  # batching strategy: who may join the batch
 
     # ---- interface ------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -86,8 +86,10 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
-        if out.num_preempted == 0 and self.can_admit(self):
-            self._schedule_waiting(out, budget)
+        num_admitted = 0
+        if out.num_preempted == 0 and self.waiting and self.policy.may_admit(self, budget):
+            num_admitted = self._schedule_waiting(out, budget)
+        self.policy.after_step(num_admitted)
         # One query token = decode attention (query at the last position), whatever its kind.
         out.scheduled.sort(key=lambda s: s.num_tokens != 1)
         out.blocks_to_copy = self.block_manager.take_blocks_to_copy()
@@ -176,33 +178,70 @@ class Scheduler:
         self._insert(self.waiting, seq)
 
     # ---- waiting ------------------------------------------------------------------------
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        num_seqs = sum(1 + s.request.num_pending_forks for s in self.running)
-        while self.waiting and budget > 0:
-            seq = self.waiting[0]
-            if num_seqs + 1 + seq.request.num_pending_forks > self.config.max_num_seqs:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        """Admit waiting sequences in queue order while budget, slots and blocks last."""
+        num_seqs = self._num_running_seqs()
+        num_admitted = 0
+        for seq in [s for s in self.waiting if self.policy.is_admissible(s)]:
+            if (
+                budget == 0
+                or num_seqs + 1 + seq.request.num_pending_forks > self.config.max_num_seqs
+            ):
                 break
-            if not seq.block_ids and seq.request.params.prompt_logprobs is None:
-                seq.num_computed_tokens = self.block_manager.acquire_cached_prefix(seq)
-                if seq.num_output_tokens == 0:
-                    seq.num_cached_tokens = seq.num_computed_tokens
-            num_tokens = min(seq.num_uncomputed_tokens, budget)
-            chunk_refused = (
-                num_tokens < seq.num_uncomputed_tokens and not self.config.enable_chunked_prefill
-            )
-            if chunk_refused or not self.block_manager.can_allocate(seq, num_tokens):
-                self.block_manager.free(seq)
-                seq.num_computed_tokens = 0
+            num_tokens = self._try_admit(seq, budget)
+            if num_tokens == 0:
                 break
-            self.waiting.pop(0)
-            self.block_manager.allocate(seq, num_tokens)
-            seq.status = SequenceStatus.RUNNING
-            self._insert(self.running, seq)
             out.scheduled.append(ScheduledSeq(seq, num_tokens, self._num_samples(seq, num_tokens)))
-            if seq.request.metrics.first_scheduled_time is None:
-                seq.request.metrics.first_scheduled_time = time.monotonic()
             num_seqs += 1 + seq.request.num_pending_forks
+            num_admitted += 1
             budget -= num_tokens
+        return num_admitted
+
+    def _try_admit(self, seq: Sequence, budget: int) -> int:
+        """Move ``seq`` to running with blocks for its first chunk; 0 if it does not fit."""
+        if not seq.block_ids and seq.request.params.prompt_logprobs is None:
+            seq.num_computed_tokens = self.block_manager.acquire_cached_prefix(seq)
+            if seq.num_output_tokens == 0:
+                seq.num_cached_tokens = seq.num_computed_tokens
+        num_tokens = min(seq.num_uncomputed_tokens, budget)
+        chunk_refused = (
+            num_tokens < seq.num_uncomputed_tokens and not self.config.enable_chunked_prefill
+        )
+        if chunk_refused or not self.block_manager.can_allocate(seq, num_tokens):
+            self.block_manager.free(seq)
+            seq.num_computed_tokens = 0
+            return 0
+        self.waiting.remove(seq)
+        self.block_manager.allocate(seq, num_tokens)
+        seq.status = SequenceStatus.RUNNING
+        self._insert(self.running, seq)
+        if seq.request.metrics.first_scheduled_time is None:
+            seq.request.metrics.first_scheduled_time = time.monotonic()
+        return num_tokens
+
+    def count_admittable(self, budget: int) -> int:
+        """How many waiting sequences would fit now (prefix-cache hits not counted)."""
+        num_seqs, free_blocks, count = (
+            self._num_running_seqs(),
+            self.block_manager.num_free_blocks,
+            0,
+        )
+        for seq in self.waiting:
+            num_tokens = min(seq.num_uncomputed_tokens, budget)
+            blocks = self.block_manager.num_blocks_for(num_tokens)
+            slots = 1 + seq.request.num_pending_forks
+            if budget == 0 or blocks > free_blocks or num_seqs + slots > self.config.max_num_seqs:
+                break
+            budget, free_blocks, num_seqs, count = (
+                budget - num_tokens,
+                free_blocks - blocks,
+                num_seqs + slots,
+                count + 1,
+            )
+        return count
+
+    def _num_running_seqs(self) -> int:
+        return sum(1 + s.request.num_pending_forks for s in self.running)
 
     # ---- helpers ------------------------------------------------------------------------
     def _num_samples(self, seq: Sequence, num_tokens: int) -> int:

@@ -56,8 +56,12 @@ def run_generate(args: argparse.Namespace) -> int:
     kwargs["model"] = args.model_path or kwargs.get("model")
     llm = LLM(**kwargs)
     params = SamplingParams(
-        n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        max_tokens=args.max_tokens, seed=args.sampling_seed,
+        n=args.n,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        seed=args.sampling_seed,
     )
     if args.chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
@@ -66,14 +70,27 @@ def run_generate(args: argparse.Namespace) -> int:
     for prompt, out in zip(prompts, outputs):
         for c in out.outputs:
             if args.json:
-                print(json.dumps({"prompt": prompt, "index": c.index, "text": c.text, "finish_reason": c.finish_reason}))
+                print(
+                    json.dumps(
+                        {
+                            "prompt": prompt,
+                            "index": c.index,
+                            "text": c.text,
+                            "finish_reason": c.finish_reason,
+                        }
+                    )
+                )
             else:
-                print(f"--- prompt: {prompt!r} [output {c.index}, finish: {c.finish_reason}]\n{c.text}")
+                print(
+                    f"--- prompt: {prompt!r} [output {c.index}, finish: {c.finish_reason}]\n{c.text}"
+                )
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="llmserve", description="LLM inference and serving engine")
+    parser = argparse.ArgumentParser(
+        prog="llmserve", description="LLM inference and serving engine"
+    )
     subparsers = parser.add_subparsers(dest="command", required=True)
     add_generate_parser(subparsers)
     for module_name in ("llmserve.entrypoints.openai.api_server", "llmserve.benchmarks.cli"):

@@ -28,9 +28,17 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ())
             kind = _scalar_type(hints[f.name])
             help_text = f"{f.metadata.get('help', '')} (default: {f.default})"
             if kind is bool:
-                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+                group.add_argument(
+                    flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text
+                )
             else:
-                group.add_argument(flag, type=kind, default=f.default, choices=f.metadata.get("choices"), help=help_text)
+                group.add_argument(
+                    flag,
+                    type=kind,
+                    default=f.default,
+                    choices=f.metadata.get("choices"),
+                    help=help_text,
+                )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
