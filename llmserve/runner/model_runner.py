@@ -20,6 +20,7 @@ from llmserve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from llmserve.layers.paged_attention_torch import build_plan
 from llmserve.runner import kv_cache
 from llmserve.runner.attention_metadata import AttentionMetadata
+from llmserve.runner.cuda_graph import CUDAGraphRunner
 from llmserve.runner.sampler import Sampler, SamplingRow, compute_prompt_logprobs
 
 logger = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ class ModelRunner:
         device: torch.device,
         eos_token_id: int | None,
         attention_backend: str,
+        cuda_graphs: CUDAGraphRunner | None = None,
     ):
         self.model = model
         self.kv_caches = kv_caches
@@ -63,6 +65,7 @@ class ModelRunner:
         self.attention_backend = attention_backend
         self.sampler = Sampler()
         self.generators: dict[int, torch.Generator] = {}
+        self.cuda_graphs = cuda_graphs  # decode-only steps replay a captured graph (CUDA)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
@@ -70,9 +73,12 @@ class ModelRunner:
             self.generators.pop(seq_id, None)
         kv_cache.copy_blocks(self.kv_caches, sched.blocks_to_copy)
         inputs = self.prepare_inputs(sched.scheduled)
-        hidden = self.model(
-            inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta
-        )  # [T, hidden]
+        if self.cuda_graphs and self.cuda_graphs.can_use(inputs.meta):
+            hidden = self.cuda_graphs.forward(inputs.input_ids, inputs.positions, inputs.meta)
+        else:
+            hidden = self.model(
+                inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta
+            )  # [T, hidden]
         out = RunnerOutput()
         self._sample(sched.scheduled, hidden, inputs.logits_indices, out)
         self._prompt_logprobs(sched.scheduled, hidden, inputs.meta, out)

@@ -10,6 +10,7 @@ from llmserve.config import EngineConfig
 from llmserve.loader import ResolvedModel, iter_weights
 from llmserve.models.registry import get_model_class
 from llmserve.runner import kv_cache
+from llmserve.runner.cuda_graph import CUDAGraphRunner
 from llmserve.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -92,7 +93,13 @@ def create_runner(
             "or --gpu-memory-utilization"
         )
     caches = kv_cache.allocate(spec, num_blocks, device)
-    runner = ModelRunner(model, caches, spec.block_size, device, eos_token_id, backend)
+    graphs = None
+    if device.type == "cuda" and backend == "triton" and not config.device.enforce_eager:
+        graphs = CUDAGraphRunner(
+            model, caches, config.scheduler.max_num_seqs, max_model_len, spec.block_size, device
+        )
+        graphs.capture()
+    runner = ModelRunner(model, caches, spec.block_size, device, eos_token_id, backend, graphs)
     info = (
         f"model {resolved.display_name} on {device} ({dtype}, attention: {backend}); "
         + kv_cache.describe(spec, num_blocks, max_model_len)
