@@ -1,0 +1,170 @@
+"""The offline API as a vLLM user drives it, on the default model."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmserve import LLM, SamplingParams
+from tests.conftest import assert_no_leaks
+
+SQL = "Write SQL that counts rows of t."
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(kv_cache_memory=96 << 20, max_model_len=512)
+
+
+def test_parallel_sampling_n2_with_seed(llm):
+    params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=24, n=2, seed=0)
+    outs = llm.generate([SQL, "Hello"], params, use_tqdm=False)
+    assert [o.prompt for o in outs] == [SQL, "Hello"]
+    for out in outs:
+        assert [c.index for c in out.outputs] == [0, 1]
+        assert all(c.finish_reason in ("stop", "length") and c.token_ids for c in out.outputs)
+    assert outs[0].outputs[0].token_ids != outs[0].outputs[1].token_ids
+    again = llm.generate([SQL], params, use_tqdm=False)[0]
+    assert [c.text for c in again.outputs] == [c.text for c in outs[0].outputs]
+    assert_no_leaks(llm)
+
+
+def test_seed_gives_same_output_whatever_the_batch(llm):
+    seeded = SamplingParams(temperature=1.0, max_tokens=16, seed=1234)
+    alone = llm.generate([SQL], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    others = [
+        SamplingParams(temperature=1.0, max_tokens=20),
+        SamplingParams(temperature=0.7, max_tokens=8, seed=9),
+    ]
+    batch = llm.generate(["Tell me a joke", "1 2 3", SQL], others + [seeded], use_tqdm=False)
+    assert batch[2].outputs[0].token_ids == alone
+    assert_no_leaks(llm)
+
+
+def _greedy(llm, prompt, **kw):
+    params = SamplingParams(temperature=0, max_tokens=kw.pop("max_tokens", 24), **kw)
+    return llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+
+
+def test_stop_string_across_token_boundary(llm):
+    tokenizer = llm.get_tokenizer()
+    ref = _greedy(llm, SQL, min_tokens=24)
+    pieces = [tokenizer.decode(ref.token_ids[: i + 1]) for i in range(len(ref.token_ids))]
+    # a stop string made of the end of token 5 and the start of token 6
+    cut = len(pieces[4])
+    assert len(pieces[5]) - cut >= 2
+    stop = pieces[5][cut - 2 : cut + 2] if cut >= 2 else pieces[5][: cut + 2]
+    out = _greedy(llm, SQL, stop=[stop], min_tokens=0)
+    index = ref.text.find(stop)
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == ref.text[:index]
+    kept = _greedy(llm, SQL, stop=[stop], include_stop_str_in_output=True)
+    assert kept.text == ref.text[: index + len(stop)]
+
+
+def test_stop_token_ids_and_max_tokens(llm):
+    ref = _greedy(llm, SQL, min_tokens=10, max_tokens=10)
+    assert ref.finish_reason == "length" and len(ref.token_ids) == 10
+    stop_id = ref.token_ids[3]
+    out = _greedy(llm, SQL, stop_token_ids=[stop_id])
+    assert out.finish_reason == "stop" and out.stop_reason == stop_id
+    assert out.token_ids == ref.token_ids[: ref.token_ids.index(stop_id) + 1]
+
+
+def test_logprobs_and_prompt_logprobs(llm):
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=3, prompt_logprobs=2)
+    out = llm.generate([SQL], params, use_tqdm=False)[0]
+    comp = out.outputs[0]
+    assert len(comp.logprobs) == len(comp.token_ids)
+    for token_id, entry in zip(comp.token_ids, comp.logprobs):
+        assert token_id in entry and len(entry) >= 3
+        assert entry[token_id] == pytest.approx(max(entry.values()))  # greedy picks the top one
+        assert all(v <= 0.0 for v in entry.values())
+    assert comp.cumulative_logprob == pytest.approx(
+        sum(e[t] for t, e in zip(comp.token_ids, comp.logprobs))
+    )
+    assert len(out.prompt_logprobs) == len(out.prompt_token_ids) and out.prompt_logprobs[0] is None
+    for token_id, entry in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:]):
+        assert token_id in entry and len(entry) >= 2
+
+
+def test_prompt_logprobs_survive_chunked_prefill():
+    small = LLM(kv_cache_memory=32 << 20, max_model_len=256, max_num_batched_tokens=4)
+    big = LLM(kv_cache_memory=32 << 20, max_model_len=256)
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1)
+    a = small.generate([SQL], params, use_tqdm=False)[0].prompt_logprobs
+    b = big.generate([SQL], params, use_tqdm=False)[0].prompt_logprobs
+    assert len(a) == len(b)
+    for x, y in zip(a[1:], b[1:]):
+        assert x.keys() == y.keys()
+        assert list(x.values()) == pytest.approx(list(y.values()), abs=1e-4)
+
+
+def test_token_id_prompts_order_and_per_prompt_params(llm):
+    tokenizer = llm.get_tokenizer()
+    ids = tokenizer.encode(SQL)
+    params = [
+        SamplingParams(temperature=0, max_tokens=3),
+        SamplingParams(temperature=0, max_tokens=5),
+    ]
+    outs = llm.generate([ids, {"prompt_token_ids": ids}], params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [3, 5]
+    assert outs[1].outputs[0].token_ids[:3] == outs[0].outputs[0].token_ids
+    assert outs[0].prompt_token_ids == ids
+
+
+def test_chat_uses_template(llm):
+    out = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0, max_tokens=16),
+        use_tqdm=False,
+    )[0]
+    assert "Paris" in out.outputs[0].text
+    assert out.outputs[0].finish_reason == "stop"  # <|im_end|> ends the answer
+
+
+def test_streamed_text_handles_multibyte_characters(llm):
+    out = _greedy(
+        llm, "Translate to Korean and add emoji: I love you", max_tokens=40, min_tokens=40
+    )
+    tokenizer = llm.get_tokenizer()
+    assert out.text == tokenizer.decode(out.token_ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"n": 0}, "n"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"min_p": 2}, "min_p"),
+        ({"top_k": -5}, "top_k"),
+    ],
+)
+def test_invalid_sampling_params_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_requests_that_cannot_fit_are_refused_with_numbers(llm):
+    with pytest.raises(ValueError, match=r"maximum context length is 512.*--max-model-len") as info:
+        llm.generate(["word " * 600], SamplingParams(max_tokens=10), use_tqdm=False)
+    assert "10 for the completion" in str(info.value)
+    tiny = LLM(kv_cache_memory=4 * 16 * 46080, max_model_len=512)
+    with pytest.raises(
+        ValueError, match=r"needs \d+ KV cache blocks.*pool has 4 blocks.*--kv-cache-memory"
+    ):
+        tiny.generate([SQL], SamplingParams(max_tokens=200), use_tqdm=False)
+    assert_no_leaks(llm)
+
+
+def test_abort_frees_blocks(llm):
+    engine = llm.llm_engine
+    engine.add_request("to-abort", SQL, SamplingParams(max_tokens=100, n=2))
+    engine.step()
+    engine.step()
+    assert engine.block_manager.usage > 0
+    engine.abort_request("to-abort")
+    assert not engine.has_unfinished_requests()
+    engine.block_manager.check_idle()
