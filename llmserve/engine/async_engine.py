@@ -1,0 +1,319 @@
+"""The engine loop in a background thread, with one asyncio output stream per request.
+
+    HTTP handler (event loop)            engine thread
+    -------------------------            -------------
+    await add_request(...)  --command-->  engine.add_request (ValueError goes back)
+    async for out in stream  <--outputs--  engine.step() -> RequestOutputs, every step
+    abort(request_id)       --command-->  engine.abort_request, blocks freed before next step
+
+Only the engine thread touches ``LLMEngine``; handlers talk to it through a command queue,
+so every forward step batches whatever requests are alive. A failing step is logged, the
+requests in flight get the error, and the loop carries on serving new requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from llmserve.engine.llm_engine import LLMEngine, PromptType
+from llmserve.engine.output_processor import make_request_output
+from llmserve.outputs import RequestOutput
+from llmserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_IDLE_POLL_S = 0.5  # how long the idle engine thread sleeps on the command queue
+
+
+class EngineOverloadedError(RuntimeError):
+    """Too many requests wait already; the caller should retry later."""
+
+
+class EngineClosedError(RuntimeError):
+    """The engine is shutting down (or its thread died) and takes no new requests."""
+
+
+class EngineStepError(RuntimeError):
+    """A forward step failed while this request was in flight."""
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """Counters and gauges, copied by the engine thread after every step."""
+
+    num_requests_running: int = 0
+    num_requests_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions: int = 0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_prefix_queries: int = 0
+    num_prefix_hits: int = 0
+    num_steps: int = 0
+    max_batched_seqs: int = 0
+
+
+@dataclass
+class EngineListeners:
+    """Callbacks run on the engine thread: ``on_step(num_seqs)``, ``on_finish(output)``."""
+
+    on_step: list[Callable[[int], None]] = field(default_factory=list)
+    on_finish: list[Callable[[RequestOutput], None]] = field(default_factory=list)
+
+
+class RequestStream:
+    """The outputs of one request, fed by the engine thread, read by one handler."""
+
+    def __init__(self, request_id: str):
+        self.request_id = request_id
+        self.is_finished = False
+        self._queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
+
+    def put(self, item: RequestOutput | Exception) -> None:
+        self._queue.put_nowait(item)
+
+    async def get(self) -> RequestOutput:
+        """The newest output; older cumulative snapshots still queued are skipped."""
+        item = await self._queue.get()
+        while not isinstance(item, Exception) and not self._queue.empty():
+            item = self._queue.get_nowait()
+        if isinstance(item, Exception):
+            self.is_finished = True
+            raise item
+        self.is_finished = item.finished
+        return item
+
+
+class AsyncLLMEngine:
+    """Drives ``LLMEngine.step`` in a thread; ``generate`` yields cumulative outputs."""
+
+    def __init__(self, engine: LLMEngine, max_num_waiting: int | None = None):
+        self.engine = engine
+        self.max_num_waiting = max_num_waiting
+        self.listeners = EngineListeners()
+        self.snapshot = EngineSnapshot()
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}  # engine thread only
+        self._num_pending_adds = 0
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._is_accepting = True
+        self._is_stopped = False
+
+    # ---- lifecycle --------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the engine thread; call from the event loop that will read the outputs."""
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="llmserve-engine", daemon=True)
+        self._thread.start()
+
+    def begin_shutdown(self) -> None:
+        """Refuse new requests and end those in flight with finish_reason "abort".
+
+        Safe to call from a signal handler: it only sets a flag and queues a command.
+        """
+        self._is_accepting = False
+        self._commands.put(self._abort_all)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Abort everything and join the engine thread."""
+        self.begin_shutdown()
+        self._commands.put(self._set_stopped)
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting in the scheduler plus those not yet handed to it."""
+        return self.snapshot.num_requests_waiting + self._num_pending_adds
+
+    # ---- requests (event loop side) -----------------------------------------------------
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        priority: int = 0,
+    ) -> RequestStream:
+        """Queue a request; raises ValueError (cannot fit), EngineOverloaded, EngineClosed."""
+        self._check_can_add()
+        stream = RequestStream(request_id)
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        arrival_time = time.monotonic()
+        with self._lock:
+            self._num_pending_adds += 1
+        self._commands.put(lambda: self._add(stream, prompt, params, priority, arrival_time, done))
+        try:
+            await asyncio.wrap_future(done)
+        except asyncio.CancelledError:
+            self.abort(request_id)  # queued after the add, so it runs after it
+            raise
+        return stream
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's cumulative outputs; leaving early aborts the request."""
+        stream = await self.add_request(request_id, prompt, params, priority)
+        try:
+            while not stream.is_finished:
+                yield await stream.get()
+        finally:
+            if not stream.is_finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request from any thread; its blocks are freed before the next step."""
+        self._commands.put(lambda: self._abort(request_id, deliver=False))
+
+    def _check_can_add(self) -> None:
+        if not self._is_accepting or not self.is_alive:
+            raise EngineClosedError("the server is shutting down and takes no new requests")
+        if self.max_num_waiting is not None and self.num_waiting >= self.max_num_waiting:
+            raise EngineOverloadedError(
+                f"{self.num_waiting} requests are waiting already (--max-num-waiting "
+                f"{self.max_num_waiting}); retry later"
+            )
+
+    # ---- engine thread ------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._is_stopped:
+            self._run_commands(block=not self.engine.has_unfinished_requests())
+            if self.engine.has_unfinished_requests() and not self._is_stopped:
+                self._step()
+            self._take_snapshot()
+
+    def _run_commands(self, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=_IDLE_POLL_S) if block else None
+        except queue.Empty:
+            return
+        while True:
+            if command is not None:
+                try:
+                    command()
+                except Exception:  # a command must never take the loop down
+                    logger.exception("engine command failed")
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _add(
+        self,
+        stream: RequestStream,
+        prompt: PromptType,
+        params: SamplingParams,
+        priority: int,
+        arrival_time: float,
+        done: concurrent.futures.Future[None],
+    ) -> None:
+        with self._lock:
+            self._num_pending_adds -= 1
+        if done.set_running_or_notify_cancel() is False:
+            return
+        try:
+            if not self._is_accepting:
+                raise EngineClosedError("the server is shutting down and takes no new requests")
+            self.engine.add_request(stream.request_id, prompt, params, priority, arrival_time)
+        except Exception as e:  # ValueError for the caller; anything else, too
+            done.set_exception(e)
+            return
+        self._streams[stream.request_id] = stream
+        done.set_result(None)
+
+    def _abort(self, request_id: str, deliver: bool) -> None:
+        """Abort in the engine; with ``deliver``, the stream gets a final "abort" output."""
+        stream = self._streams.pop(request_id, None)
+        request = self.engine.scheduler.requests.get(request_id)
+        self.engine.abort_request(request_id)
+        if request is None or stream is None:
+            return
+        output = make_request_output(request)
+        self._notify_finish(output)
+        if deliver:
+            self._deliver([(stream, output)])
+
+    def _abort_all(self) -> None:
+        for request_id in list(self._streams):
+            self._abort(request_id, deliver=True)
+
+    def _set_stopped(self) -> None:
+        self._is_stopped = True
+
+    def _step(self) -> None:
+        num_steps, num_seqs = self.engine.stats.num_steps, self.engine.stats.num_batched_seqs
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            logger.exception("engine step failed; ending the requests in flight")
+            self._fail_all(e)
+            return
+        if self.engine.stats.num_steps > num_steps:
+            for callback in self.listeners.on_step:
+                callback(self.engine.stats.num_batched_seqs - num_seqs)
+        ready = []
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            if output.finished:
+                del self._streams[output.request_id]
+                self._notify_finish(output)
+            ready.append((stream, output))
+        self._deliver(ready)
+
+    def _fail_all(self, error: Exception) -> None:
+        failure = EngineStepError(f"the engine failed during this request: {error}")
+        streams = list(self._streams.values())
+        self._streams.clear()
+        self.engine.abort_request(list(self.engine.scheduler.requests))
+        self._deliver([(stream, failure) for stream in streams])
+
+    def _deliver(self, items: list[tuple[RequestStream, RequestOutput | Exception]]) -> None:
+        if items and self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(_put_all, items)
+
+    def _notify_finish(self, output: RequestOutput) -> None:
+        for callback in self.listeners.on_finish:
+            try:
+                callback(output)
+            except Exception:
+                logger.exception("on_finish listener failed")
+
+    def _take_snapshot(self) -> None:
+        engine = self.engine
+        scheduler, blocks = engine.scheduler, engine.block_manager
+        self.snapshot = EngineSnapshot(
+            num_requests_running=len({s.request.request_id for s in scheduler.running}),
+            num_requests_waiting=len({s.request.request_id for s in scheduler.waiting}),
+            kv_cache_usage=blocks.usage,
+            num_preemptions=scheduler.num_preemptions,
+            num_prompt_tokens=engine.stats.num_prompt_tokens,
+            num_generation_tokens=engine.stats.num_generation_tokens,
+            num_prefix_queries=blocks.num_prefix_queries,
+            num_prefix_hits=blocks.num_prefix_hits,
+            num_steps=engine.stats.num_steps,
+            max_batched_seqs=engine.stats.max_batched_seqs,
+        )
+
+
+def _put_all(items: list[tuple[RequestStream, RequestOutput | Exception]]) -> None:
+    for stream, item in items:
+        stream.put(item)

@@ -1,0 +1,242 @@
+"""The OpenAI-compatible HTTP server: routes, API-key check, client-disconnect aborts.
+
+    POST /v1/completions  POST /v1/chat/completions  GET /v1/models
+    POST /tokenize  POST /detokenize  GET /health  GET /version  GET /metrics  /openapi.json
+
+``llmserve serve [MODEL] --host --port --api-key ...`` starts it (see ``launcher.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+import llmserve
+from llmserve.engine.async_engine import AsyncLLMEngine
+from llmserve.entrypoints.openai.errors import OpenAIError, error_response, install_error_handlers
+from llmserve.entrypoints.openai.metrics import ServerMetrics
+from llmserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    VersionResponse,
+    dump,
+)
+from llmserve.entrypoints.openai.serving_base import EventStream, ServingBase
+from llmserve.entrypoints.openai.serving_chat import OpenAIServingChat
+from llmserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+
+T = TypeVar("T")
+_PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")  # health, metrics, docs stay open
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 503)
+}
+
+router = APIRouter()
+
+
+@dataclass
+class ServerState:
+    """What the routes need: the engine, the two serving layers, the metrics."""
+
+    engine: AsyncLLMEngine
+    completion: OpenAIServingCompletion
+    chat: OpenAIServingChat
+    metrics: ServerMetrics
+    model_names: list[str]
+
+
+def build_app(
+    engine: AsyncLLMEngine, api_key: str | None = None, model_names: list[str] | None = None
+) -> FastAPI:
+    """The FastAPI app; the engine thread starts and stops with the app's lifespan."""
+    names = model_names or [engine.engine.model_name]
+    state = ServerState(
+        engine=engine,
+        completion=OpenAIServingCompletion(engine, names),
+        chat=OpenAIServingChat(engine, names),
+        metrics=ServerMetrics(engine),
+        model_names=names,
+    )
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        yield
+        await asyncio.to_thread(engine.stop)
+
+    app = FastAPI(title="llmserve", version=llmserve.__version__, lifespan=lifespan)
+    app.state.llmserve = state
+    app.include_router(router)
+    install_error_handlers(app)
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    return app
+
+
+class ApiKeyMiddleware:
+    """401 unless ``Authorization: Bearer <key>`` on the API routes."""
+
+    def __init__(self, app: ASGIApp, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(_PROTECTED_PREFIXES):
+            headers = dict(scope["headers"])
+            given = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                message = "Missing API key" if not given else "Incorrect API key provided"
+                response = error_response(401, message, code="invalid_api_key")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _state(raw: Request) -> ServerState:
+    return raw.app.state.llmserve
+
+
+# ---- generation ---------------------------------------------------------------------------
+@router.post(
+    "/v1/completions",
+    responses={200: {"model": CompletionResponse}, **_ERRORS},
+)
+async def create_completion(request: CompletionRequest, raw: Request) -> Response:
+    """Complete one or more prompts (``stream`` for server-sent events)."""
+    serving = _state(raw).completion
+    return _respond(serving, await _until_disconnect(raw, serving.create(request)))
+
+
+@router.post(
+    "/v1/chat/completions",
+    responses={200: {"model": ChatCompletionResponse}, **_ERRORS},
+)
+async def create_chat_completion(request: ChatCompletionRequest, raw: Request) -> Response:
+    """Answer a conversation (``stream`` for server-sent events)."""
+    serving = _state(raw).chat
+    return _respond(serving, await _until_disconnect(raw, serving.create(request)))
+
+
+def _respond(serving: ServingBase, result: Any) -> Response:
+    if result is None:  # the client is gone; nobody reads this
+        return Response(status_code=499)
+    if isinstance(result, EventStream):
+        return StreamingResponse(
+            result.events,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+            background=BackgroundTask(serving.abort, result.streams),
+        )
+    return JSONResponse(dump(result))
+
+
+async def _until_disconnect(raw: Request, work: Awaitable[T]) -> T | None:
+    """Await ``work``; if the client disconnects first, cancel it (aborting its requests)."""
+    work_task = asyncio.ensure_future(work)
+    watch_task = asyncio.ensure_future(_wait_for_disconnect(raw))
+    try:
+        await asyncio.wait({work_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (work_task, watch_task):
+            task.cancel()
+    if not work_task.cancelled() and work_task.done():
+        return work_task.result()
+    await asyncio.gather(work_task, return_exceptions=True)
+    return None
+
+
+async def _wait_for_disconnect(raw: Request) -> None:
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+
+
+# ---- models, tokenizer, health ------------------------------------------------------------
+@router.get("/v1/models", response_model=ModelList)
+async def list_models(raw: Request) -> ModelList:
+    """The model this server serves."""
+    state = _state(raw)
+    engine = state.engine.engine
+    root = engine.config.model.model or engine.resolved.display_name
+    cards = [
+        ModelCard(id=name, root=root, max_model_len=engine.max_model_len)
+        for name in state.model_names
+    ]
+    return ModelList(data=cards)
+
+
+@router.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
+async def tokenize(request: TokenizeRequest, raw: Request) -> TokenizeResponse:
+    """Token ids of a text prompt, or of chat messages after the chat template."""
+    state = _state(raw)
+    state.chat.check_model(request.model)
+    if request.messages is not None:
+        tokens = state.chat.apply_chat_template(request.messages, request.add_generation_prompt)
+    elif request.prompt is not None:
+        tokens = state.chat.tokenizer.encode(
+            request.prompt, add_special_tokens=request.add_special_tokens
+        )
+    else:
+        raise OpenAIError("give prompt (text) or messages", param="prompt")
+    max_model_len = state.engine.engine.max_model_len
+    return TokenizeResponse(count=len(tokens), max_model_len=max_model_len, tokens=tokens)
+
+
+@router.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
+async def detokenize(request: DetokenizeRequest, raw: Request) -> DetokenizeResponse:
+    """Text of token ids."""
+    serving = _state(raw).chat
+    serving.check_model(request.model)
+    bad = [t for t in request.tokens if not 0 <= t < serving.vocab_size]
+    if bad:
+        raise OpenAIError(
+            f"token ids {bad[:5]} are outside the vocabulary [0, {serving.vocab_size})",
+            param="tokens",
+        )
+    return DetokenizeResponse(prompt=serving.tokenizer.decode(request.tokens))
+
+
+@router.get("/health")
+async def health(raw: Request) -> Response:
+    """200 while the engine thread runs, 503 once it stopped."""
+    if not _state(raw).engine.is_alive:
+        return error_response(503, "the engine is not running")
+    return JSONResponse({"status": "ok"})
+
+
+@router.get("/version", response_model=VersionResponse)
+async def version() -> VersionResponse:
+    return VersionResponse(version=llmserve.__version__)
+
+
+@router.get("/metrics")
+async def metrics(raw: Request) -> Response:
+    """Prometheus text format."""
+    server_metrics = _state(raw).metrics
+    return Response(server_metrics.render(), media_type=server_metrics.content_type)
+
+
+# ---- command line ---------------------------------------------------------------------------
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """``llmserve serve``: discovered by ``llmserve.entrypoints.cli.build_parser``."""
+    from llmserve.entrypoints.openai.launcher import add_serve_parser
+
+    return add_serve_parser(subparsers)

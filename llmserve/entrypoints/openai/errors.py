@@ -1,0 +1,125 @@
+"""OpenAI-style errors: ``{"error": {"message", "type", "param", "code"}}`` for every failure.
+
+Bad input is a 400 (malformed JSON and wrong types too, never FastAPI's 422), a missing or
+wrong API key a 401, an unknown model a 404, back-pressure a 503 with ``Retry-After``.
+Anything unexpected is logged and answered with a 500 in the same shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from llmserve.engine.async_engine import EngineClosedError, EngineOverloadedError
+from llmserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+RETRY_AFTER_S = 1
+_SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "invalid_request_error",
+    503: "service_unavailable_error",
+}
+
+
+class OpenAIError(Exception):
+    """An error answered to the client as-is, with its HTTP status."""
+
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+
+def error_response(
+    status: int,
+    message: str,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    """The JSON response for an error, in OpenAI's shape."""
+    error_type = _ERROR_TYPES.get(
+        status, "server_error" if status >= 500 else "invalid_request_error"
+    )
+    body = {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def error_from_exception(e: Exception) -> OpenAIError:
+    """Map engine and validation exceptions to what the client should see."""
+    if isinstance(e, OpenAIError):
+        return e
+    if isinstance(e, ValueError):
+        return OpenAIError(str(e), 400, param=_param_of(str(e)))
+    if isinstance(e, EngineOverloadedError):
+        return OpenAIError(
+            str(e), 503, code="overloaded", headers={"Retry-After": str(RETRY_AFTER_S)}
+        )
+    if isinstance(e, EngineClosedError):
+        return OpenAIError(str(e), 503, code="shutting_down")
+    logger.exception("unexpected error", exc_info=e)
+    return OpenAIError(f"internal error: {type(e).__name__}", 500)
+
+
+def _param_of(message: str) -> str | None:
+    """SamplingParams errors start with the field name: "top_p must be in (0, 1], got 2"."""
+    first_word = message.split(" ", 1)[0]
+    return first_word if first_word in _SAMPLING_FIELDS else None
+
+
+def _validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
+    first = errors[0] if errors else {"msg": "invalid request", "loc": ()}
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    if first.get("type") == "json_invalid":
+        detail = first.get("ctx", {}).get("error", "")
+        return f"The request body is not valid JSON: {detail}".rstrip(": "), None
+    if first.get("type") == "model_attributes_type" and not loc:
+        return "The request body must be a JSON object (Content-Type: application/json)", None
+    param = loc[0] if loc else None
+    where = f"{'.'.join(loc)}: " if loc else ""
+    return f"{where}{first.get('msg', 'invalid value')}", param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Route every exception FastAPI may raise to an OpenAI-shaped body."""
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(_: Request, e: OpenAIError) -> JSONResponse:
+        return error_response(e.status, e.message, e.param, e.code, e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(list(e.errors()))
+        return error_response(400, message, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        message = e.detail if isinstance(e.detail, str) else HTTPStatus(e.status_code).phrase
+        return error_response(e.status_code, message, headers=e.headers)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, e: Exception) -> JSONResponse:
+        error = error_from_exception(e)
+        return error_response(error.status, error.message, error.param, error.code, error.headers)

@@ -1,0 +1,117 @@
+"""``llmserve serve``: flags, start-up (model, KV arithmetic, URL) and a clean shutdown.
+
+SIGINT / SIGTERM: the server stops taking requests, ends those in flight with
+``finish_reason: "abort"`` (streams still get ``data: [DONE]``), waits for the responses to
+go out, stops the engine thread and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+from types import FrameType
+from typing import Any
+
+import uvicorn
+
+from llmserve.entrypoints.engine_args import add_engine_args, engine_kwargs
+
+logger = logging.getLogger("llmserve.serve")
+
+GRACEFUL_SHUTDOWN_S = 30
+
+
+def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """The ``serve`` subcommand: server flags, then every engine flag from the config."""
+    p = subparsers.add_parser("serve", help="Start the OpenAI-compatible HTTP server")
+    p.add_argument("model_tag", nargs="?", default=None, help="model (same as --model)")
+    server = p.add_argument_group("Server", "HTTP server options")
+    server.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    server.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    server.add_argument(
+        "--api-key",
+        default=os.environ.get("LLMSERVE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1 (default: $LLMSERVE_API_KEY, or none)",
+    )
+    server.add_argument(
+        "--max-num-waiting",
+        type=int,
+        default=1024,
+        help="answer 503 (Retry-After) while this many requests wait (default: 1024)",
+    )
+    server.add_argument(
+        "--uvicorn-log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+        help="uvicorn's log level (default: info)",
+    )
+    add_engine_args(p)
+    p.set_defaults(func=run_server)
+    return p
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """Load the model, then serve until SIGINT / SIGTERM."""
+    from llmserve.engine.async_engine import AsyncLLMEngine
+    from llmserve.engine.llm_engine import LLMEngine
+    from llmserve.entrypoints.openai.api_server import build_app
+
+    kwargs = engine_kwargs(args)
+    if args.model_tag is not None:
+        if kwargs.get("model") not in (None, args.model_tag):
+            raise ValueError(
+                f"two models given: {args.model_tag!r} and --model {kwargs['model']!r}"
+            )
+        kwargs["model"] = args.model_tag
+    if args.max_num_waiting < 1:
+        raise ValueError(f"--max-num-waiting must be >= 1, got {args.max_num_waiting}")
+    engine = LLMEngine.from_kwargs(**kwargs)
+    async_engine = AsyncLLMEngine(engine, max_num_waiting=args.max_num_waiting)
+    app = build_app(async_engine, api_key=args.api_key)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.uvicorn_log_level,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+    )
+    server = GracefulServer(config, on_exit=async_engine.begin_shutdown)
+    logger.info(
+        "model %r served as %r; %s", engine.resolved.weights_path, engine.model_name, engine.kv_info
+    )
+    logger.info(
+        "OpenAI-compatible API at http://%s:%d/v1 (API key %s)",
+        args.host,
+        args.port,
+        "required" if args.api_key else "not required",
+    )
+    _ignore_reraised_signals()
+    server.run()
+    logger.info("server stopped")
+    return 0 if server.started else 1
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn, plus: on the first SIGINT / SIGTERM, end the requests in flight."""
+
+    def __init__(self, config: uvicorn.Config, on_exit: Any):
+        super().__init__(config)
+        self._on_exit = on_exit
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if not self.should_exit:
+            logger.info("signal %s: finishing in-flight requests and shutting down", sig)
+            self._on_exit()
+        super().handle_exit(sig, frame)
+
+
+def _ignore_reraised_signals() -> None:
+    """uvicorn re-raises the signal it caught once it is done; exit 0 instead of dying by it."""
+
+    def _noop(sig: int, frame: FrameType | None) -> None:
+        logger.debug("signal %s after shutdown ignored", sig)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _noop)

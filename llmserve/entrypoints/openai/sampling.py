@@ -1,0 +1,101 @@
+"""Turn a request body into ``SamplingParams``, checking what the engine cannot check alone."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llmserve.entrypoints.openai.errors import OpenAIError, error_from_exception
+from llmserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+)
+from llmserve.sampling_params import SamplingParams
+
+_OPTIONAL_KNOBS = ("temperature", "top_p", "top_k", "min_p")
+
+
+def completion_params(request: CompletionRequest, vocab_size: int) -> SamplingParams:
+    """Sampling parameters of a completion request (``echo`` + ``logprobs`` asks for prompt logprobs)."""
+    wants_prompt_logprobs = request.echo and request.logprobs is not None
+    return build_params(
+        request,
+        vocab_size,
+        max_tokens=request.max_tokens,
+        logprobs=request.logprobs,
+        prompt_logprobs=request.logprobs if wants_prompt_logprobs else None,
+    )
+
+
+def chat_params(request: ChatCompletionRequest, vocab_size: int) -> SamplingParams:
+    """Sampling parameters of a chat request; ``max_completion_tokens`` wins over ``max_tokens``."""
+    if request.top_logprobs is not None and not request.logprobs:
+        raise OpenAIError("top_logprobs needs logprobs set to true", param="top_logprobs")
+    max_tokens = request.max_completion_tokens
+    if max_tokens is None:
+        max_tokens = request.max_tokens
+    logprobs = (request.top_logprobs or 0) if request.logprobs else None
+    return build_params(request, vocab_size, max_tokens=max_tokens, logprobs=logprobs)
+
+
+def build_params(
+    request: SamplingFields,
+    vocab_size: int,
+    max_tokens: int | None,
+    logprobs: int | None,
+    prompt_logprobs: int | None = None,
+) -> SamplingParams:
+    """Fields shared by both endpoints; a bad value is a 400 naming the field."""
+    logit_bias = _logit_bias(request.logit_bias, vocab_size)
+    _check_token_ids(request.stop_token_ids or [], vocab_size, "stop_token_ids")
+    knobs: dict[str, Any] = {
+        name: getattr(request, name)
+        for name in _OPTIONAL_KNOBS
+        if getattr(request, name) is not None
+    }
+    try:
+        return SamplingParams(
+            n=request.n,
+            seed=request.seed,
+            presence_penalty=request.presence_penalty,
+            frequency_penalty=request.frequency_penalty,
+            repetition_penalty=request.repetition_penalty,
+            logit_bias=logit_bias,
+            max_tokens=max_tokens,
+            min_tokens=request.min_tokens,
+            stop=request.stop,
+            stop_token_ids=request.stop_token_ids,
+            ignore_eos=request.ignore_eos,
+            include_stop_str_in_output=request.include_stop_str_in_output,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=request.skip_special_tokens,
+            **knobs,
+        )
+    except ValueError as e:
+        raise error_from_exception(e) from e
+
+
+def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
+    if not bias:
+        return None
+    result = {}
+    for key, value in bias.items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise OpenAIError(
+                f"logit_bias keys must be token ids, got {key!r}", param="logit_bias"
+            ) from None
+        result[token_id] = value
+    _check_token_ids(list(result), vocab_size, "logit_bias")
+    return result
+
+
+def _check_token_ids(token_ids: list[int], vocab_size: int, field: str) -> None:
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise OpenAIError(
+            f"{field} has token ids {bad[:5]} outside the vocabulary [0, {vocab_size})",
+            param=field,
+        )

@@ -1,0 +1,160 @@
+"""What both generation endpoints share: model check, queueing, collecting and merging streams.
+
+A request with several prompts becomes one engine request per prompt (``<id>-0``, ``<id>-1``
+...); every exit path, client disconnect included, aborts the ones still running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from llmserve.engine.async_engine import AsyncLLMEngine, RequestStream
+from llmserve.engine.llm_engine import PromptType
+from llmserve.entrypoints.openai.errors import OpenAIError, error_from_exception
+from llmserve.entrypoints.openai.logprobs import TokenTexts
+from llmserve.entrypoints.openai.protocol import ErrorResponse, UsageInfo
+from llmserve.outputs import CompletionOutput, RequestOutput
+from llmserve.sampling_params import SamplingParams
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def sse(payload: str) -> str:
+    """One server-sent event."""
+    return f"data: {payload}\n\n"
+
+
+SSE_DONE = sse("[DONE]")
+
+
+def sse_error(e: Exception) -> str:
+    """The event that tells a streaming client its request failed after the stream began."""
+    error = error_from_exception(e)
+    body = {"message": error.message, "type": "server_error", "param": None, "code": error.status}
+    return sse(ErrorResponse.model_validate({"error": body}).model_dump_json())
+
+
+@dataclass
+class EventStream:
+    """An SSE body and the engine streams behind it, to abort when the response ends."""
+
+    events: AsyncIterator[str]
+    streams: list[RequestStream]
+
+
+@dataclass
+class ChoiceProgress:
+    """How much of one streamed choice the client has seen."""
+
+    num_chars: int = 0
+    num_tokens: int = 0
+    is_finished: bool = False
+
+    def advance(self, output: CompletionOutput, with_tokens: bool) -> tuple[str, int] | None:
+        """The new text and the index of the first new token; None when nothing is new."""
+        if self.is_finished:
+            return None
+        delta = output.text[self.num_chars :]
+        first_token = self.num_tokens
+        has_new_tokens = len(output.token_ids) > first_token
+        if not delta and not output.finished and not (with_tokens and has_new_tokens):
+            return None
+        self.num_chars = max(self.num_chars, len(output.text))
+        self.num_tokens = len(output.token_ids)
+        self.is_finished = output.finished
+        return delta, first_token
+
+
+class ServingBase:
+    """Holds the engine and what the endpoints read from it."""
+
+    def __init__(self, engine: AsyncLLMEngine, model_names: list[str]):
+        self.engine = engine
+        self.model_names = model_names
+        self.model_name = model_names[0]
+        self.tokenizer = engine.engine.tokenizer
+        self.texts = TokenTexts(self.tokenizer)
+        self.vocab_size: int = engine.engine.hf_config.vocab_size
+
+    def check_model(self, name: str | None) -> None:
+        """404 for a model this server does not serve (no name means the default)."""
+        if name is not None and name not in self.model_names:
+            raise OpenAIError(
+                f"The model {name!r} does not exist; this server serves {self.model_names}",
+                status=404,
+                param="model",
+                code="model_not_found",
+            )
+
+    async def add_all(
+        self, request_id: str, prompts: list[PromptType], params: SamplingParams, priority: int
+    ) -> list[RequestStream]:
+        """Queue one engine request per prompt; if any is refused, none stays queued."""
+        streams: list[RequestStream] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                request_id_i = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+                streams.append(
+                    await self.engine.add_request(request_id_i, prompt, params, priority)
+                )
+        except Exception as e:
+            self.abort(streams)
+            raise error_from_exception(e) from e
+        except BaseException:
+            self.abort(streams)
+            raise
+        return streams
+
+    def abort(self, streams: list[RequestStream]) -> None:
+        for stream in streams:
+            if not stream.is_finished:
+                self.engine.abort(stream.request_id)
+
+    async def final_outputs(self, streams: list[RequestStream]) -> list[RequestOutput]:
+        """Wait until every stream finishes; each one's last (complete) output."""
+        try:
+            return list(await asyncio.gather(*(_last_output(s) for s in streams)))
+        except Exception as e:
+            raise error_from_exception(e) from e
+        finally:
+            self.abort(streams)
+
+    async def merged(
+        self, streams: list[RequestStream]
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(stream index, output) pairs in arrival order, until every stream finishes."""
+        pending = {asyncio.ensure_future(s.get()): i for i, s in enumerate(streams)}
+        try:
+            while pending:
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in sorted(done, key=pending.__getitem__):
+                    i = pending.pop(task)
+                    output = task.result()
+                    if not streams[i].is_finished:
+                        pending[asyncio.ensure_future(streams[i].get())] = i
+                    yield i, output
+        finally:
+            for task in pending:
+                task.cancel()
+
+    @staticmethod
+    def usage(outputs: list[RequestOutput]) -> UsageInfo:
+        num_prompt = sum(len(o.prompt_token_ids) for o in outputs)
+        num_completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+        return UsageInfo(
+            prompt_tokens=num_prompt,
+            completion_tokens=num_completion,
+            total_tokens=num_prompt + num_completion,
+        )
+
+
+async def _last_output(stream: RequestStream) -> RequestOutput:
+    output = await stream.get()
+    while not stream.is_finished:
+        output = await stream.get()
+    return output

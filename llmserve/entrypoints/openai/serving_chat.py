@@ -1,0 +1,153 @@
+"""POST /v1/chat/completions: messages through the model's chat template, streamed or not."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from llmserve.engine.async_engine import RequestStream
+from llmserve.entrypoints.openai.errors import OpenAIError
+from llmserve.entrypoints.openai.logprobs import chat_logprobs
+from llmserve.entrypoints.openai.protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogProbs,
+    ChatMessage,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    DeltaMessage,
+)
+from llmserve.entrypoints.openai.sampling import chat_params
+from llmserve.entrypoints.openai.serving_base import (
+    SSE_DONE,
+    ChoiceProgress,
+    EventStream,
+    ServingBase,
+    random_id,
+    sse,
+    sse_error,
+)
+from llmserve.outputs import CompletionOutput, RequestOutput
+
+
+class OpenAIServingChat(ServingBase):
+    """Builds chat completion responses and stream chunks from engine outputs."""
+
+    async def create(self, request: ChatCompletionRequest) -> ChatCompletionResponse | EventStream:
+        """Queue the conversation; a response, or (``stream``) an SSE event stream."""
+        self.check_model(request.model)
+        prompt_ids = self.apply_chat_template(request.messages, request.add_generation_prompt)
+        params = chat_params(request, self.vocab_size)
+        request_id = random_id("chatcmpl")
+        prompt = {"prompt_token_ids": prompt_ids}
+        streams = await self.add_all(request_id, [prompt], params, request.priority)
+        if request.stream:
+            return EventStream(self._stream(request, request_id, streams[0]), streams)
+        (out,) = await self.final_outputs(streams)
+        choices = [
+            ChatChoice(
+                index=c.index,
+                message=ChatResponseMessage(content=c.text),
+                logprobs=self._logprobs(request, c, 0),
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
+            for c in out.outputs
+        ]
+        return ChatCompletionResponse(
+            id=request_id, model=self.model_name, choices=choices, usage=self.usage([out])
+        )
+
+    def apply_chat_template(
+        self, messages: list[ChatMessage], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Token ids of the templated conversation; a template error is a 400."""
+        conversation = [_message_dict(m) for m in messages]
+        try:
+            return list(
+                self.tokenizer.apply_chat_template(
+                    conversation,
+                    add_generation_prompt=add_generation_prompt,
+                    tokenize=True,
+                    return_dict=False,
+                )
+            )
+        except Exception as e:  # jinja errors: roles the template rejects, and the like
+            raise OpenAIError(
+                f"the chat template cannot format these messages: {e}", param="messages"
+            ) from e
+
+    def _logprobs(
+        self, request: ChatCompletionRequest, c: CompletionOutput, first_token: int
+    ) -> ChatLogProbs | None:
+        if not request.logprobs:
+            return None
+        return chat_logprobs(
+            c.token_ids[first_token:],
+            (c.logprobs or [])[first_token:],
+            request.top_logprobs or 0,
+            self.texts,
+        )
+
+    async def _stream(
+        self, request: ChatCompletionRequest, request_id: str, stream: RequestStream
+    ) -> AsyncIterator[str]:
+        created = int(time.time())
+
+        def chunk(choices: list[ChatStreamChoice], usage: Any = None) -> str:
+            body = ChatCompletionChunk(
+                id=request_id, created=created, model=self.model_name, choices=choices, usage=usage
+            )
+            return sse(body.model_dump_json())
+
+        progress: dict[int, ChoiceProgress] = {}
+        out: RequestOutput | None = None
+        try:
+            async for _, out in self.merged([stream]):
+                for c in out.outputs:
+                    if c.index not in progress:
+                        progress[c.index] = ChoiceProgress()
+                        role = DeltaMessage(role="assistant", content="")
+                        yield chunk([ChatStreamChoice(index=c.index, delta=role)])
+                    choice = self._chunk_choice(request, progress[c.index], c)
+                    if choice is not None:
+                        yield chunk([choice])
+            if out is not None and request.stream_options and request.stream_options.include_usage:
+                yield chunk([], self.usage([out]))
+            yield SSE_DONE
+        except Exception as e:  # the engine failed mid-stream: say so, then end the stream
+            yield sse_error(e)
+            yield SSE_DONE
+        finally:
+            self.abort([stream])
+
+    def _chunk_choice(
+        self, request: ChatCompletionRequest, state: ChoiceProgress, c: CompletionOutput
+    ) -> ChatStreamChoice | None:
+        advanced = state.advance(c, with_tokens=request.logprobs)
+        if advanced is None:
+            return None
+        delta, first_token = advanced
+        return ChatStreamChoice(
+            index=c.index,
+            delta=DeltaMessage(content=delta),
+            logprobs=self._logprobs(request, c, first_token),
+            finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason,
+        )
+
+
+def _message_dict(message: ChatMessage) -> dict[str, str]:
+    """A message as the template wants it: text content only."""
+    content = message.content
+    if isinstance(content, list):
+        if any(part.type != "text" for part in content):
+            raise OpenAIError("only text content parts are supported", param="messages")
+        content = "".join(part.text or "" for part in content)
+    result = {"role": message.role, "content": content or ""}
+    if message.name is not None:
+        result["name"] = message.name
+    return result
