@@ -100,7 +100,15 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 
 
 class RotaryEmbedding(nn.Module):
-    """Applies RoPE to q and k at the given positions."""
+    """Applies RoPE to q and k at the given positions.
+
+    Two layouts of the head dimension, chosen at construction:
+      * "neox" (Hugging Face's): rotation pairs are ``(x[i], x[i + D/2])``; used with Triton.
+      * "interleaved": pairs are ``(x[2i], x[2i + 1])``, so RoPE is one complex multiply on the
+        fused q|k slice. The model permutes the q/k projection rows at load time to this
+        layout (``to_interleaved``); attention scores are unchanged, since q and k get the same
+        permutation of the head dimension.
+    """
 
     def __init__(
         self,
@@ -113,16 +121,23 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim = head_dim
         self.use_triton = use_triton
+        self.interleaved = not use_triton
         inv_freq, scaling = compute_inv_freq(params, head_dim, max_position, max_model_len)
         t = torch.arange(max(max_position, max_model_len), dtype=torch.float64)
         freqs = torch.outer(t, inv_freq)  # [max_positions, head_dim // 2]
         cache = torch.cat([freqs.cos() * scaling, freqs.sin() * scaling], dim=-1)
         self.register_buffer("cos_sin_cache", cache.float(), persistent=False)
+        # (cos, sin) pairs, real so that ``model.to(dtype)`` keeps them: [max_positions, D/2, 2]
+        self.register_buffer(
+            "cis",
+            cache.float().view(-1, 2, head_dim // 2).transpose(1, 2).contiguous(),
+            persistent=False,
+        )
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``positions: [num_tokens]``, q ``[num_tokens, num_heads * head_dim]``, k likewise."""
+        """Neox layout: q ``[num_tokens, num_heads * head_dim]``, k likewise."""
         if self.use_triton:
             from llmserve.kernels import rotary_embedding_
 
@@ -131,6 +146,14 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self.cos_sin_cache[positions].to(q.dtype).chunk(2, dim=-1)  # [T, D/2] each
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
+    def forward_interleaved(self, positions: torch.Tensor, qk: torch.Tensor) -> torch.Tensor:
+        """Interleaved layout: ``qk: [T, (H + kvh) * D]`` (a view is fine) -> rotated, contiguous."""
+        num_tokens = qk.shape[0]
+        pairs = qk.float().view(num_tokens, -1, self.head_dim // 2, 2)  # [T, heads, D/2, 2]
+        cis = torch.view_as_complex(self.cis[positions].float()).unsqueeze(1)  # [T, 1, D/2]
+        rotated = torch.view_as_complex(pairs) * cis
+        return torch.view_as_real(rotated).view(num_tokens, -1).to(qk.dtype)
+
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.view(shape[0], -1, self.head_dim)  # [T, heads, D]
@@ -138,3 +161,12 @@ class RotaryEmbedding(nn.Module):
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, D/2]
         out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
         return out.view(shape)
+
+
+def to_interleaved(weight: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Reorder q/k projection rows (or bias) of each head from neox to interleaved pairs."""
+    rows = weight.shape[0]
+    w = weight.reshape(
+        rows // head_dim, 2, head_dim // 2, *weight.shape[1:]
+    )  # [heads, 2, D/2, ...]
+    return w.transpose(1, 2).reshape(weight.shape)

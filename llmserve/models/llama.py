@@ -15,7 +15,7 @@ from torch import nn
 from llmserve.layers.activation import SiluAndMul
 from llmserve.layers.attention import Attention, KVCache
 from llmserve.layers.layernorm import RMSNorm
-from llmserve.layers.rotary import RotaryEmbedding, rope_parameters
+from llmserve.layers.rotary import RotaryEmbedding, rope_parameters, to_interleaved
 from llmserve.runner.attention_metadata import AttentionMetadata
 
 
@@ -46,9 +46,19 @@ class LlamaAttention(nn.Module):
         self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
         qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.rotary_emb(positions, q.contiguous(), k.contiguous())
-        return self.o_proj(self.attn(q, k, v.contiguous(), kv_cache, meta))
+        v = qkv[:, self.q_size + self.kv_size :]
+        if self.rotary_emb.interleaved:
+            qk = self.rotary_emb.forward_interleaved(
+                positions, qkv[:, : self.q_size + self.kv_size]
+            )
+            q, k = qk.split([self.q_size, self.kv_size], dim=-1)
+        else:
+            q, k = (
+                qkv[:, : self.q_size].contiguous(),
+                qkv[:, self.q_size : self.q_size + self.kv_size].contiguous(),
+            )
+            q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, kv_cache, meta))
 
 
 class LlamaMLP(nn.Module):
@@ -170,6 +180,9 @@ class LlamaForCausalLM(nn.Module):
                 return
             sizes = self._shard_sizes(name)
             start = sum(sizes[:shard])
+            attn = self.layers[0].self_attn
+            if "qkv_proj" in name and shard < 2 and attn.rotary_emb.interleaved:
+                tensor = to_interleaved(tensor, attn.head_dim)  # see RotaryEmbedding
             param[start : start + sizes[shard]].copy_(tensor)
 
     def _shard_sizes(self, name: str) -> list[int]:
