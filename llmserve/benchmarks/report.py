@@ -1,0 +1,69 @@
+"""Printing and saving benchmark results: plain-text tables and JSON files."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A left-aligned first column, right-aligned others; floats with 2 decimals."""
+    cells = [[_cell(v) for v in row] for row in rows]
+    widths = [max(len(str(h)), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+
+    def line(values: Sequence[str]) -> str:
+        first = values[0].ljust(widths[0])
+        return "  ".join([first, *(v.rjust(w) for v, w in zip(values[1:], widths[1:]))])
+
+    return "\n".join([line(list(headers)), line(["-" * w for w in widths]), *map(line, cells)])
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.2f}"
+    return str(value)
+
+
+def machine_info() -> dict[str, Any]:
+    """What the numbers were measured on."""
+    import torch
+
+    info: dict[str, Any] = {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "cpu": platform.processor() or platform.machine(),
+        "num_cpus": os.cpu_count(),
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def json_safe(value: Any) -> Any:
+    """Strict JSON: infinite rates become the string "inf", NaN becomes null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def write_json(path: str | None, report: dict[str, Any]) -> None:
+    if not path:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(json_safe(report), f, indent=2, default=str, allow_nan=False)
+        f.write("\n")
+    print(f"wrote {path}")

@@ -1,0 +1,224 @@
+"""``llmserve bench serve``: a load generator for a running OpenAI-compatible server.
+
+    t = 0 ----x------x--x-----------x----->   Poisson arrivals at --request-rate (inf: all at 0)
+              |      |  |           |          at most --max-concurrency in flight
+              POST /v1/completions {"stream": true, "ignore_eos": true, "max_tokens": output_len}
+              <- data: {"choices": [{"text": ...}]} ... data: [DONE]
+
+Per request: TTFT (send -> first non-empty text chunk), ITL (gaps between chunks), TPOT
+((e2e - ttft) / (output tokens - 1)) and end-to-end latency; output tokens from the final
+``usage`` chunk when the server sends one, else by tokenizing the streamed text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Sequence
+
+import httpx
+from tqdm.auto import tqdm
+
+from llmserve.benchmarks.metrics import RequestRecord, arrival_times, latency_result
+from llmserve.benchmarks.report import format_table
+from llmserve.benchmarks.workloads import BenchRequest
+
+COMPLETIONS_PATH = "/v1/completions"
+
+
+def completion_payload(model: str, request: BenchRequest, temperature: float) -> dict:
+    return {
+        "model": model,
+        "prompt": request.prompt,
+        "max_tokens": request.output_len,
+        "temperature": temperature,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+def fetch_model_name(base_url: str) -> str:
+    """The first model the server lists at /v1/models."""
+    try:
+        response = httpx.get(f"{base_url}/v1/models", timeout=30, trust_env=False)
+        response.raise_for_status()
+        return response.json()["data"][0]["id"]
+    except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
+        raise ValueError(
+            f"cannot list models at {base_url}/v1/models ({e}); start the server with "
+            "`llmserve serve` or pass --base-url and --served-model-name"
+        ) from e
+
+
+class _Stream:
+    """Parses one SSE completion stream into a RequestRecord."""
+
+    def __init__(self, record: RequestRecord):
+        self.record = record
+        self.text: list[str] = []
+        self.usage_tokens: int | None = None
+        self.start = time.perf_counter()
+        self.last = self.start
+
+    def feed(self, line: str) -> bool:
+        """Handle one line; False at ``data: [DONE]``."""
+        if not line.startswith("data:"):
+            return True
+        data = line[len("data:") :].strip()
+        if data == "[DONE]":
+            return False
+        chunk = json.loads(data)
+        if "error" in chunk:
+            self.record.error = str(chunk["error"])[:300]
+            return False
+        if chunk.get("usage"):
+            self.usage_tokens = chunk["usage"].get("completion_tokens")
+        for choice in chunk.get("choices") or []:
+            if choice.get("text"):
+                self._token(choice["text"])
+        return True
+
+    def _token(self, text: str) -> None:
+        now = time.perf_counter()
+        if self.record.ttft is None:
+            self.record.ttft = now - self.start
+        else:
+            self.record.itls.append(now - self.last)
+        self.last = now
+        self.text.append(text)
+
+    def finish(self, tokenizer) -> None:
+        if self.record.error is not None or self.record.ttft is None:
+            self.record.error = self.record.error or "no tokens received"
+            return
+        self.record.e2e = time.perf_counter() - self.start
+        tokens = self.usage_tokens
+        if tokens is None:
+            tokens = len(tokenizer.encode("".join(self.text), add_special_tokens=False))
+        self.record.output_len = tokens
+
+
+async def send_request(
+    client: httpx.AsyncClient, payload: dict, record: RequestRecord, tokenizer
+) -> None:
+    stream = _Stream(record)
+    try:
+        async with client.stream("POST", COMPLETIONS_PATH, json=payload) as response:
+            if response.status_code != 200:
+                body = (await response.aread()).decode(errors="replace")
+                record.error = f"HTTP {response.status_code}: {body[:300]}"
+                return
+            async for line in response.aiter_lines():
+                if not stream.feed(line.strip()):
+                    break
+        stream.finish(tokenizer)
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        record.error = f"{type(e).__name__}: {e}"
+
+
+async def run_load(
+    base_url: str,
+    model: str,
+    requests: Sequence[BenchRequest],
+    tokenizer,
+    request_rate: float,
+    max_concurrency: int | None,
+    temperature: float,
+    seed: int,
+    use_tqdm: bool = True,
+) -> tuple[list[RequestRecord], float]:
+    """Send every request at its Poisson arrival time; return records and the duration."""
+    offsets = arrival_times(len(requests), request_rate, seed)
+    records = [RequestRecord(r.prompt_len) for r in requests]
+    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    bar = tqdm(total=len(requests), desc="bench serve", unit="req", disable=not use_tqdm)
+    limits = httpx.Limits(
+        max_connections=max_concurrency, max_keepalive_connections=max_concurrency
+    )
+    timeout = httpx.Timeout(connect=30.0, read=None, write=30.0, pool=None)
+    async with httpx.AsyncClient(
+        base_url=base_url, timeout=timeout, limits=limits, trust_env=False
+    ) as client:
+
+        async def one(i: int) -> None:
+            payload = completion_payload(model, requests[i], temperature)
+            if limit is None:
+                await send_request(client, payload, records[i], tokenizer)
+            else:
+                async with limit:
+                    await send_request(client, payload, records[i], tokenizer)
+            bar.update(1)
+
+        await send_request(client, _warmup_payload(model, requests[0]), RequestRecord(0), tokenizer)
+        start = time.perf_counter()
+        tasks = []
+        for i, offset in enumerate(offsets):
+            await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
+            tasks.append(asyncio.create_task(one(i)))
+        await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    bar.close()
+    return records, duration
+
+
+def _warmup_payload(model: str, request: BenchRequest) -> dict:
+    return completion_payload(model, BenchRequest(request.prompt, [], 2), 0.0)
+
+
+def run_serve_benchmark(
+    base_url: str,
+    model: str | None,
+    requests: Sequence[BenchRequest],
+    tokenizer,
+    request_rate: float,
+    max_concurrency: int | None,
+    temperature: float = 0.0,
+    seed: int = 0,
+    use_tqdm: bool = True,
+) -> dict:
+    """The whole client run: latency percentiles and throughput, as a dict."""
+    if max_concurrency is not None and max_concurrency < 1:
+        raise ValueError(f"--max-concurrency must be >= 1, got {max_concurrency}")
+    base_url = base_url.rstrip("/")
+    model = model or fetch_model_name(base_url)
+    records, duration = asyncio.run(
+        run_load(
+            base_url,
+            model,
+            requests,
+            tokenizer,
+            request_rate,
+            max_concurrency,
+            temperature,
+            seed,
+            use_tqdm,
+        )
+    )
+    result = latency_result(records, duration)
+    return {
+        "benchmark": "serve",
+        "base_url": base_url,
+        "model": model,
+        "request_rate": request_rate,
+        "max_concurrency": max_concurrency,
+    } | result
+
+
+def serve_summary_text(result: dict) -> str:
+    rows = [
+        ["successful requests", result["completed"]],
+        ["failed requests", result["failed"]],
+        ["duration (s)", result["duration_s"]],
+        ["requests/s", result["request_throughput"]],
+        ["output tok/s", result["output_throughput"]],
+        ["total tok/s", result["total_token_throughput"]],
+    ]
+    for name, label in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2E")):
+        for stat in ("mean", "median", "p90", "p99"):
+            rows.append([f"{label} {stat} (ms)", result[f"{stat}_{name}_ms"]])
+    text = format_table(["metric", "value"], rows)
+    if result["errors"]:
+        text += "\nerrors: " + "; ".join(result["errors"])
+    return text
