@@ -1,0 +1,240 @@
+"""Errors, API key, back-pressure, client disconnects and SIGTERM, on a small real server.
+
+The server runs with ``--api-key``, one sequence per step and at most two waiting requests,
+so back-pressure is easy to reach. The SIGTERM test stops it and therefore runs last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import threading
+
+import httpx
+import openai
+import pytest
+
+from tests.server_process import SMALL_SERVER_ARGS, ServerProcess
+
+KEY = "test-key"
+MODEL = "smol"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+TIMEOUT = httpx.Timeout(60.0)
+CHAT = [{"role": "user", "content": "hi"}]
+LONG = {"prompt": "Once upon a time", "max_tokens": 900, "ignore_eos": True, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def server():
+    args = ["--api-key", KEY, "--served-model-name", MODEL, "--max-num-seqs", "1"]
+    server = ServerProcess(*SMALL_SERVER_ARGS, *args, "--max-num-waiting", "2")
+    yield server
+    server.close()
+
+
+def post(server, path: str, body, headers=AUTH, timeout=TIMEOUT) -> httpx.Response:
+    content = body if isinstance(body, (str, bytes)) else json.dumps(body)
+    headers = {"Content-Type": "application/json", **headers}
+    return httpx.post(server.url + path, content=content, headers=headers, timeout=timeout)
+
+
+def assert_error(response: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+    return error
+
+
+def wait_idle(server) -> None:
+    assert server.wait_for_metric("llmserve:num_requests_running", lambda v: v == 0) == 0
+    assert server.wait_for_metric("llmserve:num_requests_waiting", lambda v: v == 0) == 0
+    assert server.wait_for_metric("llmserve:kv_cache_usage_perc", lambda v: v == 0) == 0
+
+
+# ---- 400 ----------------------------------------------------------------------------------
+_COMPLETION = "/v1/completions"
+_CHAT = "/v1/chat/completions"
+BAD_REQUESTS = [
+    (_COMPLETION, {"prompt": "hi", "temperature": -1}, "temperature"),
+    (_COMPLETION, {"prompt": "hi", "top_p": 1.5}, "top_p"),
+    (_COMPLETION, {"prompt": "hi", "top_k": -5}, "top_k"),
+    (_COMPLETION, {"prompt": "hi", "n": 0}, "n"),
+    (_COMPLETION, {"prompt": "hi", "max_tokens": "many"}, "max_tokens"),
+    (_COMPLETION, {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    (_COMPLETION, {"prompt": "hi", "logprobs": 99}, "logprobs"),
+    (_COMPLETION, {"prompt": "hi", "stop": [""]}, "stop"),
+    (_COMPLETION, {"prompt": "hi", "stop": 5}, "stop"),
+    (_COMPLETION, {"prompt": "hi", "logit_bias": {"-5": 1}}, "logit_bias"),
+    (_COMPLETION, {"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias"),
+    (_COMPLETION, {"prompt": "hi", "logit_bias": {"5": 500}}, "logit_bias"),
+    (_COMPLETION, {"prompt": "hi", "presence_penalty": 3}, "presence_penalty"),
+    (_COMPLETION, {"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
+    (_COMPLETION, {"prompt": "hi", "min_tokens": 20, "max_tokens": 5}, "min_tokens"),
+    (_COMPLETION, {"prompt": "hi", "stream": "maybe"}, "stream"),
+    (_COMPLETION, {"prompt": "hi", "seed": 2**70}, "seed"),
+    (_COMPLETION, {"prompt": []}, "prompt"),
+    (_COMPLETION, {"prompt": [1, "a"]}, "prompt"),
+    (_COMPLETION, {"prompt": [10**9]}, None),
+    (_COMPLETION, {"prompt": ""}, None),
+    (_COMPLETION, {}, "prompt"),
+    (_CHAT, {"messages": []}, "messages"),
+    (_CHAT, {"messages": "hi"}, "messages"),
+    (_CHAT, {"messages": [{"content": "hi"}]}, "messages"),
+    (_CHAT, {"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
+    (_CHAT, {"messages": CHAT, "logprobs": True, "top_logprobs": 50}, "top_logprobs"),
+    (_CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+    ("/tokenize", {}, "prompt"),
+    ("/detokenize", {"tokens": [-1]}, "tokens"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "param"), BAD_REQUESTS)
+def test_invalid_parameters_are_400(server, path, body, param):
+    assert_error(post(server, path, body), 400, param)
+
+
+@pytest.mark.parametrize("body", ['{"prompt": "hi",', "[1, 2]", "null", "not json", ""])
+def test_malformed_json_is_400(server, body):
+    assert_error(post(server, _COMPLETION, body), 400)
+    assert_error(post(server, _CHAT, body), 400)
+
+
+def test_prompt_that_cannot_fit_is_400_with_the_numbers(server):
+    prompt = "hello " * 1100
+    num_prompt = post(server, "/tokenize", {"prompt": prompt}).json()["count"]
+    message = assert_error(post(server, _COMPLETION, {"prompt": prompt, "max_tokens": 7}), 400)[
+        "message"
+    ]
+    assert str(num_prompt) in message and "1024" in message and "7" in message
+    body = {"messages": CHAT, "max_tokens": 5000}
+    message = assert_error(post(server, _CHAT, body), 400)["message"]
+    assert "5000" in message and "1024" in message
+
+
+def test_openai_client_sees_bad_request(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, timeout=60, max_retries=0)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="hi", temperature=-2)
+    assert info.value.status_code == 400
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4", messages=CHAT)
+
+
+def test_bad_requests_do_not_harm_others(server):
+    result = {}
+
+    def stream_good() -> None:
+        body = {"prompt": "Hello", "max_tokens": 24, "ignore_eos": True, "stream": True}
+        chunks = []
+        with httpx.stream(
+            "POST", server.url + _COMPLETION, json=body, headers=AUTH, timeout=TIMEOUT
+        ) as r:
+            chunks = [line for line in r.iter_lines() if line.startswith("data: {")]
+        result["finish"] = json.loads(chunks[-1][6:])["choices"][0]["finish_reason"]
+
+    thread = threading.Thread(target=stream_good)
+    thread.start()
+    for path, body, _ in BAD_REQUESTS:
+        assert post(server, path, body).status_code == 400
+    thread.join(120)
+    assert result == {"finish": "length"}
+    wait_idle(server)
+
+
+# ---- 404, 401 -----------------------------------------------------------------------------
+def test_unknown_model_is_404(server):
+    error = assert_error(post(server, _COMPLETION, {"model": "nope", "prompt": "hi"}), 404, "model")
+    assert error["code"] == "model_not_found"
+    assert_error(post(server, _CHAT, {"model": "nope", "messages": CHAT}), 404, "model")
+    assert_error(httpx.get(server.url + "/v1/no-such-route", headers=AUTH, timeout=TIMEOUT), 404)
+
+
+def test_api_key(server):
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    assert_error(post(server, _COMPLETION, body, headers={}), 401)
+    assert_error(post(server, _COMPLETION, body, headers={"Authorization": "Bearer wrong"}), 401)
+    assert_error(httpx.get(server.url + "/v1/models", timeout=TIMEOUT), 401)
+    assert post(server, _COMPLETION, body).status_code == 200
+    models = httpx.get(server.url + "/v1/models", headers=AUTH, timeout=TIMEOUT).json()
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    assert httpx.get(server.url + "/health", timeout=TIMEOUT).status_code == 200
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, timeout=60, max_retries=0)
+    assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices[0].text
+    bad = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", timeout=60, max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+
+
+# ---- 503 ----------------------------------------------------------------------------------
+def test_back_pressure_is_503_with_retry_after(server):
+    async def open_streams() -> list[int]:
+        statuses = []
+        async with httpx.AsyncClient(timeout=TIMEOUT, headers=AUTH) as client:
+            requests = [
+                client.build_request(
+                    "POST", server.url + _COMPLETION, json={**LONG, "stream": True}
+                )
+                for _ in range(8)
+            ]
+            responses = await asyncio.gather(*(client.send(r, stream=True) for r in requests))
+            for response in responses:
+                statuses.append(response.status_code)
+                if response.status_code == 503:
+                    assert int(response.headers["Retry-After"]) >= 1
+                    assert_error(httpx.Response(503, content=await response.aread()), 503)
+                await response.aclose()  # the accepted streams disconnect: aborted
+        return statuses
+
+    statuses = asyncio.run(open_streams())
+    assert statuses.count(503) >= 1 and statuses.count(200) >= 1, statuses
+    wait_idle(server)
+
+
+# ---- client disconnects -------------------------------------------------------------------
+def test_disconnect_mid_stream_aborts(server):
+    before = server.metrics()
+    body = {**LONG, "model": MODEL, "stream": True}
+    with httpx.stream(
+        "POST", server.url + _COMPLETION, json=body, headers=AUTH, timeout=TIMEOUT
+    ) as r:
+        lines = r.iter_lines()
+        assert sum(1 for _, line in zip(range(6), lines) if line.startswith("data: {")) >= 2
+    wait_idle(server)
+    after = server.metrics()
+    generated = (
+        after["llmserve:generation_tokens_total"] - before["llmserve:generation_tokens_total"]
+    )
+    assert generated < LONG["max_tokens"]
+    aborted = 'llmserve:request_success_total{finished_reason="abort"}'
+    assert after[aborted] == before.get(aborted, 0) + 1
+
+
+def test_disconnect_while_waiting_for_a_non_streamed_response_aborts(server):
+    before = server.metrics()
+    with pytest.raises(httpx.ReadTimeout):
+        post(server, _COMPLETION, LONG, timeout=httpx.Timeout(60.0, read=3.0))
+    wait_idle(server)
+    after = server.metrics()
+    generated = (
+        after["llmserve:generation_tokens_total"] - before["llmserve:generation_tokens_total"]
+    )
+    assert generated < LONG["max_tokens"]
+
+
+# ---- shutdown (last: it stops the server) -------------------------------------------------
+def test_sigterm_ends_streams_cleanly_and_exits_0(server):
+    body = {**LONG, "stream": True}
+    with httpx.stream(
+        "POST", server.url + _COMPLETION, json=body, headers=AUTH, timeout=TIMEOUT
+    ) as r:
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        assert json.loads(first[6:])["choices"][0]["finish_reason"] is None
+        server.proc.send_signal(signal.SIGTERM)
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]"
+    assert json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "abort"
+    assert server.stop() == 0
