@@ -1,0 +1,294 @@
+"""``python -m llmserve.benchmarks.attention``: where a decode step's time goes, and how fast
+the attention paths are.
+
+CPU (always):
+  step    one decode step of the model at batch B and context C: time in attention (KV write,
+          paged attention and its per-step plan), in matmuls (nn.Linear projections and the
+          LM head) and in everything else (norms, rotary, activation, embedding, adds)
+  paged   paged decode attention (torch backend) vs SDPA over the same K/V stored contiguously
+GPU (when CUDA is available; ``--skip-gpu`` to leave out):
+  flash   FlashAttention prefill (Triton) vs materialized attention vs torch SDPA, N tokens
+  decode  paged decode attention (Triton): K/V bytes read per second vs the HBM peak
+  graphs  end-to-end decode throughput of a random-weight ~1B Llama with and without CUDA
+          graphs (``--load-format dummy``), and whether their greedy tokens agree
+
+The step measurement fills the KV pool with random values instead of prefilling B x C
+tokens (attention costs the same on any values) and lets every layer share one pool, so a
+4k context at batch 32 fits in memory; each layer still reads all of its K/V.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.nn import functional as F
+
+from llmserve.benchmarks.report import format_table, machine_info, write_json
+from llmserve.layers.attention import Attention
+from llmserve.layers.paged_attention_torch import build_plan, paged_attention_torch
+from llmserve.runner.attention_metadata import AttentionMetadata
+
+
+# ---- timing ---------------------------------------------------------------------------------
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_ms(fn: Callable[[], Any], repeats: int, device: torch.device, warmup: int = 1) -> float:
+    """Median wall time of ``fn`` in milliseconds (synchronized on CUDA)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+class OpTimer:
+    """Accumulates wall time spent inside nn.Linear (matmul) and Attention (attention) calls."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device):
+        self.device = device
+        self.totals = {"matmul": 0.0, "attention": 0.0}
+        self._start: dict[int, float] = {}
+        for module in model.modules():
+            kind = "matmul" if isinstance(module, torch.nn.Linear) else None
+            kind = "attention" if isinstance(module, Attention) else kind
+            if kind:
+                module.register_forward_pre_hook(self._enter)
+                module.register_forward_hook(self._exit_hook(kind))
+
+    def _enter(self, module, args) -> None:
+        _sync(self.device)
+        self._start[id(module)] = time.perf_counter()
+
+    def _exit_hook(self, kind: str):
+        def hook(module, args, output) -> None:
+            _sync(self.device)
+            self.totals[kind] += time.perf_counter() - self._start.pop(id(module))
+
+        return hook
+
+    def add(self, kind: str, seconds: float) -> None:
+        self.totals[kind] += seconds
+
+    def reset(self) -> None:
+        self.totals = dict.fromkeys(self.totals, 0.0)
+
+
+# ---- a synthetic decode batch ---------------------------------------------------------------
+def decode_batch(
+    batch: int,
+    context: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int = 0,
+) -> tuple[tuple[torch.Tensor, torch.Tensor], AttentionMetadata]:
+    """A random K/V pool and the metadata of one decode step: ``batch`` sequences whose new
+    token is position ``context - 1``, their blocks shuffled over the pool."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = -(-context // block_size)
+    num_blocks = batch * blocks_per_seq + 1
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(device, dtype)
+    v_cache = torch.randn(shape, generator=gen).to(device, dtype)
+    tables = torch.randperm(num_blocks, generator=gen)[: batch * blocks_per_seq]
+    tables = tables.view(batch, blocks_per_seq).to(torch.int32)  # [batch, blocks_per_seq]
+    last = context - 1
+    slots = tables[:, last // block_size].long() * block_size + last % block_size  # [batch]
+    meta = AttentionMetadata(
+        num_decodes=batch,
+        query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=device),
+        seq_lens=torch.full((batch,), context, dtype=torch.int32, device=device),
+        block_tables=tables.to(device),
+        slot_mapping=slots.to(device),
+        max_query_len=1,
+        max_seq_len=context,
+        query_lens_cpu=[1] * batch,
+        seq_lens_cpu=[context] * batch,
+    )
+    return (k_cache, v_cache), meta
+
+
+# ---- CPU: step breakdown --------------------------------------------------------------------
+def load_model(model: str | None, load_format: str, device: torch.device, backend: str):
+    """The model with its weights (or random ones for ``dummy``) and its config."""
+    from llmserve.config import EngineConfig
+    from llmserve.loader import load_config, resolve_model
+    from llmserve.runner.worker import load_model as load
+
+    resolved = resolve_model(model)
+    hf_config = load_config(resolved)
+    config = EngineConfig.from_kwargs(model=model, load_format=load_format)
+    max_len = hf_config.max_position_embeddings
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    return load(resolved, hf_config, config, max_len, dtype, device, backend), hf_config
+
+
+def step_breakdown(model, batch: int, context: int, repeats: int, block_size: int = 16) -> dict:
+    """Time one decode step (forward + LM head) and split it into attention/matmul/other."""
+    device = next(model.parameters()).device
+    attn = model.layers[0].self_attn
+    dtype = next(model.parameters()).dtype
+    kv, meta = decode_batch(
+        batch, context, block_size, attn.num_kv_heads, attn.head_dim, dtype, device
+    )
+    kv_caches = [kv] * len(model.layers)  # one pool shared by every layer (see module doc)
+    input_ids = torch.randint(0, model.config.vocab_size, (batch,), device=device)
+    positions = torch.full((batch,), context - 1, device=device)
+    timer = OpTimer(model, device)
+    steps = []
+    for i in range(repeats + 1):  # the first step warms up
+        timer.reset()
+        start = time.perf_counter()
+        with torch.inference_mode():
+            if attn.attn.backend == "torch":
+                meta.plan = build_plan(meta, block_size)
+                timer.add("attention", time.perf_counter() - start)
+            hidden = model(input_ids, positions, kv_caches, meta)
+            logits_start = time.perf_counter()
+            model.compute_logits(hidden)
+            _sync(device)
+            timer.add("matmul", time.perf_counter() - logits_start)
+        total = time.perf_counter() - start
+        if i:
+            steps.append({"total": total, **timer.totals})
+    step_ms = statistics.median(s["total"] for s in steps) * 1e3
+    parts = {k: statistics.median(s[k] for s in steps) * 1e3 for k in ("attention", "matmul")}
+    other = max(step_ms - parts["attention"] - parts["matmul"], 0.0)
+    return {
+        "batch": batch,
+        "context": context,
+        "step_ms": step_ms,
+        "attention_ms": parts["attention"],
+        "matmul_ms": parts["matmul"],
+        "other_ms": other,
+        "attention_share": parts["attention"] / step_ms,
+        "matmul_share": parts["matmul"] / step_ms,
+        "other_share": other / step_ms,
+    }
+
+
+# ---- CPU: paged vs contiguous ---------------------------------------------------------------
+def paged_vs_contiguous(
+    batch: int, context: int, num_heads: int, num_kv_heads: int, head_dim: int, repeats: int
+) -> dict:
+    """One layer's decode attention: torch paged (blocks shuffled over the pool) vs SDPA on
+    the same K/V laid out contiguously per sequence, ``[batch, kv_heads, context, head_dim]``."""
+    device, block_size, scale = torch.device("cpu"), 16, head_dim**-0.5
+    (k_cache, v_cache), meta = decode_batch(
+        batch, context, block_size, num_kv_heads, head_dim, torch.float32, device
+    )
+    q = torch.randn(batch, num_heads, head_dim)  # [batch, H, D]
+    tables = meta.block_tables.long()
+    k = k_cache[tables].flatten(1, 2)[:, :context].transpose(1, 2).contiguous()  # [B, kvh, C, D]
+    v = v_cache[tables].flatten(1, 2)[:, :context].transpose(1, 2).contiguous()
+    q_grouped = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, kvh, G, D]
+    plan = build_plan(meta, block_size)
+
+    def paged() -> torch.Tensor:
+        return paged_attention_torch(q, k_cache, v_cache, meta, plan, scale)
+
+    def contiguous() -> torch.Tensor:
+        return F.scaled_dot_product_attention(q_grouped, k, v, scale=scale)
+
+    max_diff = (paged() - contiguous().reshape(q.shape)).abs().max().item()
+    paged_ms = time_ms(paged, repeats, device)
+    contiguous_ms = time_ms(contiguous, repeats, device)
+    plan_ms = time_ms(lambda: build_plan(meta, block_size), repeats, device)
+    kv_bytes = 2 * k.numel() * k.element_size()
+    return {
+        "batch": batch,
+        "context": context,
+        "paged_ms": paged_ms,
+        "contiguous_sdpa_ms": contiguous_ms,
+        "ratio": paged_ms / contiguous_ms,
+        "plan_ms_per_step": plan_ms,
+        "kv_mib": kv_bytes / 2**20,
+        "paged_gbs": kv_bytes / paged_ms / 1e6,
+        "max_abs_diff": max_diff,
+    }
+
+
+# ---- driver ---------------------------------------------------------------------------------
+def run_cpu(args: argparse.Namespace) -> dict:
+    model, hf_config = load_model(args.model, args.load_format, torch.device("cpu"), "torch")
+    steps = [step_breakdown(model, args.batch, c, args.repeats) for c in args.contexts]
+    attn = model.layers[0].self_attn
+    shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
+    paged = [paged_vs_contiguous(args.batch, c, *shape, args.repeats) for c in args.contexts]
+    return {"model": args.model or "default (SmolLM2-135M)", "threads": torch.get_num_threads(),
+            "heads_kv_heads_head_dim": shape, "step": steps, "paged_vs_contiguous": paged}  # fmt: skip
+
+
+def print_report(report: dict) -> None:
+    cpu = report["cpu"]
+    print(
+        f"\nCPU decode step, batch {cpu['step'][0]['batch']}, {cpu['model']}, {cpu['threads']} threads"
+    )
+    cols = ("context", "step_ms", "attention_ms", "matmul_ms", "other_ms", "attention_share",
+            "matmul_share", "other_share")  # fmt: skip
+    print(format_table(cols, [[r[c] for c in cols] for r in cpu["step"]]))
+    print("\nCPU decode attention, one layer: paged (torch) vs SDPA on contiguous K/V")
+    cols = ("context", "paged_ms", "contiguous_sdpa_ms", "ratio", "plan_ms_per_step", "kv_mib",
+            "paged_gbs", "max_abs_diff")  # fmt: skip
+    print(format_table(cols, [[r[c] for c in cols] for r in cpu["paged_vs_contiguous"]]))
+    if report.get("gpu"):
+        from llmserve.benchmarks.attention_gpu import print_gpu
+
+        print_gpu(report["gpu"])
+
+
+def _shape(text: str) -> tuple[int, int]:
+    batch, context = text.lower().split("x")
+    return int(batch), int(context)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0].strip("`"))
+    p.add_argument("--model", default=None, help="model for the CPU step (default: SmolLM2)")
+    p.add_argument("--load-format", default="dummy", choices=("auto", "dummy"),
+                   help="dummy: random weights (same speed, no loading)")  # fmt: skip
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--contexts", type=int, nargs="+", default=[256, 1024, 4096])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--skip-gpu", action="store_true", help="CPU measurements only")
+    p.add_argument("--prefill-lens", type=int, nargs="+", default=[1024, 4096, 16384])
+    p.add_argument("--decode-shapes", type=_shape, nargs="+", default=[(32, 1024), (64, 4096)],
+                   help="BATCHxCONTEXT pairs for the decode bandwidth")  # fmt: skip
+    p.add_argument("--hbm-peak-gbs", type=float, default=None)
+    p.add_argument("--graph-batch-sizes", type=int, nargs="+", default=[1, 8, 32, 128])
+    p.add_argument("--graph-prompt-len", type=int, default=32)
+    p.add_argument("--graph-output-len", type=int, default=128)
+    p.add_argument("--output-json", default=None)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    report: dict[str, Any] = {"machine": machine_info(), "args": vars(args)}
+    report["cpu"] = run_cpu(args)
+    if torch.cuda.is_available() and not args.skip_gpu:
+        from llmserve.benchmarks.attention_gpu import run_gpu
+
+        report["gpu"] = run_gpu(args)
+    print_report(report)
+    write_json(args.output_json, report)
+    return report
+
+
+if __name__ == "__main__":
+    main()
