@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import Sequence
 
@@ -25,6 +26,7 @@ from llmserve.benchmarks.report import format_table
 from llmserve.benchmarks.workloads import BenchRequest
 
 COMPLETIONS_PATH = "/v1/completions"
+logging.getLogger("httpx").setLevel(logging.WARNING)  # no INFO line per request
 
 
 def completion_payload(model: str, request: BenchRequest, temperature: float) -> dict:
@@ -118,6 +120,46 @@ async def send_request(
         record.error = f"{type(e).__name__}: {e}"
 
 
+class _LoadGenerator:
+    """Sends each request at its offset, at most ``max_concurrency`` in flight."""
+
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        model: str,
+        tokenizer,
+        temperature: float,
+        max_concurrency: int | None,
+    ):
+        self.client, self.model, self.tokenizer = client, model, tokenizer
+        self.temperature = temperature
+        self.limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+
+    async def _one(self, request: BenchRequest, record: RequestRecord, bar) -> None:
+        payload = completion_payload(self.model, request, self.temperature)
+        if self.limit is None:
+            await send_request(self.client, payload, record, self.tokenizer)
+        else:
+            async with self.limit:
+                await send_request(self.client, payload, record, self.tokenizer)
+        bar.update(1)
+
+    async def run(
+        self, requests: Sequence[BenchRequest], offsets: Sequence[float], use_tqdm: bool
+    ) -> tuple[list[RequestRecord], float]:
+        records = [RequestRecord(r.prompt_len) for r in requests]
+        bar = tqdm(total=len(requests), desc="bench serve", unit="req", disable=not use_tqdm)
+        start = time.perf_counter()
+        tasks = []
+        for request, record, offset in zip(requests, records, offsets):
+            await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
+            tasks.append(asyncio.create_task(self._one(request, record, bar)))
+        await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+        bar.close()
+        return records, duration
+
+
 async def run_load(
     base_url: str,
     model: str,
@@ -131,9 +173,6 @@ async def run_load(
 ) -> tuple[list[RequestRecord], float]:
     """Send every request at its Poisson arrival time; return records and the duration."""
     offsets = arrival_times(len(requests), request_rate, seed)
-    records = [RequestRecord(r.prompt_len) for r in requests]
-    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-    bar = tqdm(total=len(requests), desc="bench serve", unit="req", disable=not use_tqdm)
     limits = httpx.Limits(
         max_connections=max_concurrency, max_keepalive_connections=max_concurrency
     )
@@ -141,30 +180,20 @@ async def run_load(
     async with httpx.AsyncClient(
         base_url=base_url, timeout=timeout, limits=limits, trust_env=False
     ) as client:
-
-        async def one(i: int) -> None:
-            payload = completion_payload(model, requests[i], temperature)
-            if limit is None:
-                await send_request(client, payload, records[i], tokenizer)
-            else:
-                async with limit:
-                    await send_request(client, payload, records[i], tokenizer)
-            bar.update(1)
-
-        await send_request(client, _warmup_payload(model, requests[0]), RequestRecord(0), tokenizer)
-        start = time.perf_counter()
-        tasks = []
-        for i, offset in enumerate(offsets):
-            await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
-            tasks.append(asyncio.create_task(one(i)))
-        await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
-    bar.close()
-    return records, duration
+        await _check_server(client, model, requests[0], tokenizer)
+        generator = _LoadGenerator(client, model, tokenizer, temperature, max_concurrency)
+        return await generator.run(requests, offsets, use_tqdm)
 
 
-def _warmup_payload(model: str, request: BenchRequest) -> dict:
-    return completion_payload(model, BenchRequest(request.prompt, [], 2), 0.0)
+async def _check_server(
+    client: httpx.AsyncClient, model: str, request: BenchRequest, tokenizer
+) -> None:
+    """One short untimed request: fails fast on a wrong URL or model name, warms the server."""
+    record = RequestRecord(request.prompt_len)
+    payload = completion_payload(model, BenchRequest(request.prompt, [], 2), 0.0)
+    await send_request(client, payload, record, tokenizer)
+    if record.error is not None:
+        raise ValueError(f"the test request to {client.base_url} failed: {record.error}")
 
 
 def run_serve_benchmark(

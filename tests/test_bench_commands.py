@@ -1,0 +1,185 @@
+"""``llmserve bench ...`` end to end on tiny workloads: JSON with the promised keys, PNG plots.
+
+No timing is asserted: these runs check that the tools work, not how fast anything is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+import pytest
+
+from llmserve.entrypoints.cli import build_parser, main
+
+SMALL_ENGINE = ["--kv-cache-memory", "100000000", "--max-model-len", "512"]
+TINY = ["--num-prompts", "3", "--output-len", "4", "--disable-tqdm"]
+HEADLINE = ("request_throughput", "output_throughput", "total_token_throughput")
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """Two shared, busy cores: OpenMP threads spin against other processes' and crawl."""
+    import torch
+
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(num_threads)
+
+
+def read_json(path) -> dict:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)  # strict: no NaN / Infinity literals
+
+
+def has_hf_continuous_batching() -> bool:
+    from transformers import PreTrainedModel
+
+    return hasattr(PreTrainedModel, "init_continuous_batching")
+
+
+def test_throughput_llmserve_and_peers(tmp_path):
+    out = tmp_path / "throughput.json"
+    argv = ["bench", "throughput", "--backend", "all", "--hf-batch-size", "2", *TINY, *SMALL_ENGINE]
+    assert main([*argv, "--num-prompts", "2", "--output-json", str(out)]) == 0
+    report = read_json(out)
+    assert all(report[k] > 0 for k in HEADLINE)
+    results = {r["backend"]: r for r in report["results"]}
+    expected = {"llmserve", "transformers"} | (
+        {"transformers-cb"} if has_hf_continuous_batching() else set()
+    )
+    assert expected <= set(results)
+    for result in results.values():
+        assert result["num_requests"] == 2
+        assert result["total_output_tokens"] == 8  # 2 prompts x 4 tokens, EOS ignored
+        assert all(result[k] > 0 for k in HEADLINE)
+    llmserve = results["llmserve"]
+    assert report["request_throughput"] == llmserve["request_throughput"]
+    assert llmserve["output_throughput_vs_llmserve"] == 1.0
+    assert llmserve["max_seqs_per_step"] == 2 and llmserve["num_steps"] >= 4
+    assert llmserve["num_preemptions"] == 0 and 0.0 <= llmserve["prefix_hit_rate"] <= 1.0
+    assert 1.0 <= llmserve["mean_seqs_per_step"] <= 2.0
+    if "llama-cpp" not in results:
+        assert "not installed" in report["skipped"]["llama-cpp"]
+
+
+def test_sweep_writes_json_and_plots(tmp_path):
+    out_dir = tmp_path / "sweep"
+    argv = ["bench", "sweep", *TINY, *SMALL_ENGINE, "--output-dir", str(out_dir)]
+    argv += [
+        "--batch-sizes",
+        "1,2",
+        "--request-rates",
+        "16",
+        "--output-json",
+        str(tmp_path / "s.json"),
+    ]
+    assert main(argv) == 0
+    report = read_json(out_dir / "sweep.json")
+    assert report == read_json(tmp_path / "s.json")
+    assert [p["max_num_seqs"] for p in report["batch_size_sweep"]] == [1, 2]
+    assert report["batch_size_sweep"][0]["max_seqs_per_step"] == 1
+    for point in report["batch_size_sweep"]:
+        assert point["total_output_tokens"] == 12 and point["output_throughput"] > 0
+    assert [p["batching"] for p in report["rate_sweep"]] == ["continuous", "dynamic", "static"]
+    for point in report["rate_sweep"]:
+        assert point["request_rate"] == 16.0 and point["completed"] == 3
+        assert point["total_output_tokens"] == 12
+        assert point["p99_ttft_ms"] >= point["median_ttft_ms"] > 0
+        assert point["p99_e2el_ms"] >= point["median_e2el_ms"] >= point["median_ttft_ms"]
+    assert sorted(os.path.basename(p) for p in report["plots"]) == [
+        "latency_vs_request_rate.png",
+        "throughput_vs_batch_size.png",
+    ]
+    for path in report["plots"]:
+        data = open(path, "rb").read()
+        assert data.startswith(PNG_MAGIC)
+        assert b"Matplotlib" in data[:200]  # the Software text chunk matplotlib writes
+
+
+def has_serve_command() -> bool:
+    parser = build_parser()
+    commands = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return any("serve" in a.choices for a in commands)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def server():
+    """``llmserve serve`` started as a user starts it; stopped (by its pid) afterwards."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = tempfile.NamedTemporaryFile(prefix="bench-server-", suffix=".log", delete=False)
+    command = [
+        sys.executable,
+        "-m",
+        "llmserve.entrypoints.cli",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *SMALL_ENGINE,
+    ]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        wait_healthy(proc, url, log.name)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, log_path: str, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{open(log_path).read()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2, trust_env=False).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"server not healthy after {timeout}s:\n{open(log_path).read()}")
+
+
+@pytest.mark.skipif(not has_serve_command(), reason="`llmserve serve` does not exist yet")
+def test_serve_benchmark_against_real_server(server, tmp_path):
+    out = tmp_path / "serve.json"
+    argv = ["bench", "serve", "--base-url", server, *TINY, "--num-prompts", "4"]
+    assert main([*argv, "--request-rate", "20", "--output-json", str(out)]) == 0
+    report = read_json(out)
+    assert report["completed"] == 4 and report["failed"] == 0
+    assert report["total_output_tokens"] == 16  # max_tokens honoured with ignore_eos
+    assert all(report[k] > 0 for k in HEADLINE)
+    for name in ("ttft", "tpot", "itl", "e2el"):
+        stats = [report[f"{s}_{name}_ms"] for s in ("mean", "median", "p90", "p99")]
+        assert all(v is not None and v >= 0 for v in stats)
+    assert report["median_e2el_ms"] >= report["median_ttft_ms"] > 0
+    assert report["model"] and report["request_rate"] == 20.0
+    # max concurrency and the chat workload (heavy-tailed lengths cut down by --output-len)
+    argv = ["bench", "serve", "--base-url", server, *TINY, "--workload", "chat"]
+    assert main([*argv, "--max-concurrency", "1", "--output-json", str(out)]) == 0
+    report = read_json(out)
+    assert report["completed"] == 3 and report["max_concurrency"] == 1
+    assert report["request_rate"] == "inf"
