@@ -8,7 +8,7 @@
 
 Only the engine thread touches ``LLMEngine``; handlers talk to it through a command queue,
 so every forward step batches whatever requests are alive. A failing step is logged, the
-requests in flight get the error, and the loop carries on serving new requests.
+requests that step ran get the error, and the loop carries on serving the others.
 """
 
 from __future__ import annotations
@@ -169,7 +169,8 @@ class AsyncLLMEngine:
         params: SamplingParams,
         priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's cumulative outputs; leaving early aborts the request."""
+        """Yield the request's cumulative outputs; closing the generator early aborts the
+        request (wrap it in ``contextlib.aclosing`` to close it on ``break``)."""
         stream = await self.add_request(request_id, prompt, params, priority)
         try:
             while not stream.is_finished:
@@ -262,8 +263,8 @@ class AsyncLLMEngine:
         try:
             outputs = self.engine.step()
         except Exception as e:
-            logger.exception("engine step failed; ending the requests in flight")
-            self._fail_all(e)
+            logger.exception("engine step failed; ending the requests it ran")
+            self._fail_running(e)
             return
         if self.engine.stats.num_steps > num_steps:
             for callback in self.listeners.on_step:
@@ -279,12 +280,15 @@ class AsyncLLMEngine:
             ready.append((stream, output))
         self._deliver(ready)
 
-    def _fail_all(self, error: Exception) -> None:
+    def _fail_running(self, error: Exception) -> None:
+        """End the requests the failed step ran; those still waiting stay queued."""
         failure = EngineStepError(f"the engine failed during this request: {error}")
-        streams = list(self._streams.values())
-        self._streams.clear()
-        self.engine.abort_request(list(self.engine.scheduler.requests))
-        self._deliver([(stream, failure) for stream in streams])
+        scheduler = self.engine.scheduler
+        failed_ids = {seq.request.request_id for seq in scheduler.running}
+        failed_ids |= {rid for rid in self._streams if rid not in scheduler.requests}
+        self.engine.abort_request(sorted(failed_ids))
+        failed = [self._streams.pop(rid) for rid in failed_ids if rid in self._streams]
+        self._deliver([(stream, failure) for stream in failed])
 
     def _deliver(self, items: list[tuple[RequestStream, RequestOutput | Exception]]) -> None:
         if items and self._loop is not None and not self._loop.is_closed():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from contextlib import aclosing
 
 from llmserve.engine.async_engine import RequestStream
 from llmserve.entrypoints.openai.errors import OpenAIError
@@ -19,6 +19,7 @@ from llmserve.entrypoints.openai.protocol import (
     ChatResponseMessage,
     ChatStreamChoice,
     DeltaMessage,
+    UsageInfo,
 )
 from llmserve.entrypoints.openai.sampling import chat_params
 from llmserve.entrypoints.openai.serving_base import (
@@ -95,34 +96,41 @@ class OpenAIServingChat(ServingBase):
     async def _stream(
         self, request: ChatCompletionRequest, request_id: str, stream: RequestStream
     ) -> AsyncIterator[str]:
-        created = int(time.time())
-
-        def chunk(choices: list[ChatStreamChoice], usage: Any = None) -> str:
-            body = ChatCompletionChunk(
-                id=request_id, created=created, model=self.model_name, choices=choices, usage=usage
-            )
-            return sse(body.model_dump_json())
-
-        progress: dict[int, ChoiceProgress] = {}
-        out: RequestOutput | None = None
         try:
-            async for _, out in self.merged([stream]):
-                for c in out.outputs:
-                    if c.index not in progress:
-                        progress[c.index] = ChoiceProgress()
-                        role = DeltaMessage(role="assistant", content="")
-                        yield chunk([ChatStreamChoice(index=c.index, delta=role)])
-                    choice = self._chunk_choice(request, progress[c.index], c)
-                    if choice is not None:
-                        yield chunk([choice])
-            if out is not None and request.stream_options and request.stream_options.include_usage:
-                yield chunk([], self.usage([out]))
-            yield SSE_DONE
+            async with aclosing(self._events(request, request_id, stream)) as events:
+                async for event in events:
+                    yield event
         except Exception as e:  # the engine failed mid-stream: say so, then end the stream
             yield sse_error(e)
             yield SSE_DONE
         finally:
             self.abort([stream])
+
+    async def _events(
+        self, request: ChatCompletionRequest, request_id: str, stream: RequestStream
+    ) -> AsyncIterator[str]:
+        def event(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
+            body = ChatCompletionChunk(
+                id=request_id, created=created, model=self.model_name, choices=choices, usage=usage
+            )
+            return sse(body.model_dump_json())
+
+        created = int(time.time())
+        progress: dict[int, ChoiceProgress] = {}
+        out: RequestOutput | None = None
+        async with aclosing(self.merged([stream])) as outputs:
+            async for _, out in outputs:
+                for c in out.outputs:
+                    if c.index not in progress:
+                        progress[c.index] = ChoiceProgress()
+                        role = DeltaMessage(role="assistant", content="")
+                        yield event([ChatStreamChoice(index=c.index, delta=role)])
+                    choice = self._chunk_choice(request, progress[c.index], c)
+                    if choice is not None:
+                        yield event([choice])
+        if out is not None and request.stream_options and request.stream_options.include_usage:
+            yield event([], self.usage([out]))
+        yield SSE_DONE
 
     def _chunk_choice(
         self, request: ChatCompletionRequest, state: ChoiceProgress, c: CompletionOutput

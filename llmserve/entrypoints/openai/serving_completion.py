@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 from llmserve.engine.async_engine import RequestStream
 from llmserve.engine.llm_engine import PromptType
@@ -14,6 +15,7 @@ from llmserve.entrypoints.openai.protocol import (
     CompletionLogProbs,
     CompletionRequest,
     CompletionResponse,
+    UsageInfo,
 )
 from llmserve.entrypoints.openai.sampling import completion_params
 from llmserve.entrypoints.openai.serving_base import (
@@ -98,36 +100,38 @@ class OpenAIServingCompletion(ServingBase):
     async def _stream(
         self, request: CompletionRequest, request_id: str, streams: list[RequestStream]
     ) -> AsyncIterator[str]:
-        created = int(time.time())
-        progress: dict[int, ChoiceProgress] = {}
-        latest: dict[int, RequestOutput] = {}
         try:
-            async for i, out in self.merged(streams):
-                latest[i] = out
-                for c in out.outputs:
-                    chunk = self._chunk(request, progress, i * request.n + c.index, out, c)
-                    if chunk is not None:
-                        response = CompletionResponse(
-                            id=request_id, created=created, model=self.model_name, choices=[chunk]
-                        )
-                        yield sse(response.model_dump_json())
-            if request.stream_options and request.stream_options.include_usage:
-                usage = self.usage(list(latest.values()))
-                yield sse(
-                    CompletionResponse(
-                        id=request_id,
-                        created=created,
-                        model=self.model_name,
-                        choices=[],
-                        usage=usage,
-                    ).model_dump_json()
-                )
-            yield SSE_DONE
+            async with aclosing(self._events(request, request_id, streams)) as events:
+                async for event in events:
+                    yield event
         except Exception as e:  # the engine failed mid-stream: say so, then end the stream
             yield sse_error(e)
             yield SSE_DONE
         finally:
             self.abort(streams)
+
+    async def _events(
+        self, request: CompletionRequest, request_id: str, streams: list[RequestStream]
+    ) -> AsyncIterator[str]:
+        def event(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
+            body = CompletionResponse(
+                id=request_id, created=created, model=self.model_name, choices=choices, usage=usage
+            )
+            return sse(body.model_dump_json())
+
+        created = int(time.time())
+        progress: dict[int, ChoiceProgress] = {}
+        latest: dict[int, RequestOutput] = {}
+        async with aclosing(self.merged(streams)) as outputs:
+            async for i, out in outputs:
+                latest[i] = out
+                for c in out.outputs:
+                    chunk = self._chunk(request, progress, i * request.n + c.index, out, c)
+                    if chunk is not None:
+                        yield event([chunk])
+        if request.stream_options and request.stream_options.include_usage:
+            yield event([], self.usage(list(latest.values())))
+        yield SSE_DONE
 
     def _chunk(
         self,
