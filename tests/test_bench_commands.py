@@ -47,7 +47,7 @@ def has_hf_continuous_batching() -> bool:
     return hasattr(PreTrainedModel, "init_continuous_batching")
 
 
-def test_throughput_llmserve_and_peers(tmp_path):
+def test_throughput_llmserve_and_peers(tmp_path, capsys):
     out = tmp_path / "throughput.json"
     argv = ["bench", "throughput", "--backend", "all", "--hf-batch-size", "2", *TINY, *SMALL_ENGINE]
     assert main([*argv, "--num-prompts", "2", "--output-json", str(out)]) == 0
@@ -70,9 +70,13 @@ def test_throughput_llmserve_and_peers(tmp_path):
     assert 1.0 <= llmserve["mean_seqs_per_step"] <= 2.0
     if "llama-cpp" not in results:
         assert "not installed" in report["skipped"]["llama-cpp"]
+    capsys.readouterr()
+    assert main(["bench", "report", str(out)]) == 0
+    markdown = capsys.readouterr().out
+    assert "| backend | requests/s |" in markdown and "| llmserve |" in markdown
 
 
-def test_sweep_writes_json_and_plots(tmp_path):
+def test_sweep_writes_json_and_plots(tmp_path, capsys):
     out_dir = tmp_path / "sweep"
     argv = ["bench", "sweep", *TINY, *SMALL_ENGINE, "--output-dir", str(out_dir)]
     argv += [
@@ -104,6 +108,13 @@ def test_sweep_writes_json_and_plots(tmp_path):
         data = open(path, "rb").read()
         assert data.startswith(PNG_MAGIC)
         assert b"Matplotlib" in data[:200]  # the Software text chunk matplotlib writes
+    capsys.readouterr()
+    assert (
+        main(["bench", "report", str(out_dir / "sweep.json"), "--relative-to", str(tmp_path)]) == 0
+    )
+    markdown = capsys.readouterr().out
+    assert "| continuous | 16 |" in markdown
+    assert "](sweep/latency_vs_request_rate.png)" in markdown
 
 
 def has_serve_command() -> bool:

@@ -228,14 +228,39 @@ def run_sweep_command(args: argparse.Namespace) -> int:
         not args.disable_tqdm,
     )
     requests = _make_requests(args)(get_tokenizer(args.model))
-    run_sweep(plan, engine_kwargs(args), requests, args.output_dir, args.output_json)
+    run_sweep(
+        plan,
+        engine_kwargs(args),
+        requests,
+        args.output_dir,
+        args.output_json,
+        args.dataset or args.workload,
+    )
+    return 0
+
+
+# ---- report ---------------------------------------------------------------------------------
+def add_report_parser(subparsers) -> None:
+    p = subparsers.add_parser("report", help="print saved --output-json files as Markdown tables")
+    p.add_argument("files", nargs="+", metavar="FILE.json")
+    p.add_argument(
+        "--relative-to", metavar="DIR", help="write plot links relative to this folder (e.g. docs)"
+    )
+    p.set_defaults(func=run_report_command)
+
+
+def run_report_command(args: argparse.Namespace) -> int:
+    from llmserve.benchmarks.markdown import render_files
+
+    print(render_files(args.files, args.relative_to))
     return 0
 
 
 def add_parser(subparsers) -> None:
-    """Register ``bench`` and its three subcommands on the ``llmserve`` parser."""
-    bench = subparsers.add_parser("bench", help="benchmarks: throughput, serve, sweep")
+    """Register ``bench`` and its subcommands on the ``llmserve`` parser."""
+    bench = subparsers.add_parser("bench", help="benchmarks: throughput, serve, sweep, report")
     sub = bench.add_subparsers(dest="bench_command", required=True)
     add_throughput_parser(sub)
     add_serve_parser(sub)
     add_sweep_parser(sub)
+    add_report_parser(sub)

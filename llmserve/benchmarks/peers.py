@@ -147,7 +147,7 @@ def run_hf_continuous(
 
         raise BackendUnavailable(
             f"transformers {transformers.__version__} has no continuous batching "
-            "(model.init_continuous_batching / generate_batch); skipped"
+            "(model.init_continuous_batching / generate_batch)"
         )
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.WARNING)  # quiet per-run INFO
     gen_config = _generation_config(tokenizer, temperature, max(r.output_len for r in requests))
@@ -191,6 +191,34 @@ def _collect_cb(manager, num_requests: int, bar) -> int:
     return num_output
 
 
+def _load_llama_cpp(model: str | None, device: str, n_ctx: int):
+    """(the llama_cpp module, a Llama on the model's GGUF file), or BackendUnavailable."""
+    try:
+        import llama_cpp
+    except ImportError:
+        raise BackendUnavailable(
+            "llama-cpp-python is not installed: pip install 'llmserve[llama-cpp]' "
+            "(or pip install llama-cpp-python)"
+        ) from None
+    from llmserve.loader import resolve_model
+
+    resolved = resolve_model(model)
+    if resolved.kind != "gguf":
+        raise BackendUnavailable(
+            f"llama-cpp needs a GGUF model, {resolved.display_name} is not one"
+        )
+    use_gpu = torch_device_dtype(device)[0].type == "cuda"
+    llm = llama_cpp.Llama(
+        model_path=resolved.weights_path,
+        n_ctx=n_ctx,
+        n_batch=512,
+        n_gpu_layers=-1 if use_gpu else 0,
+        seed=0,
+        verbose=False,
+    )
+    return llama_cpp, llm
+
+
 def run_llama_cpp(
     requests: Sequence[BenchRequest],
     model: str | None,
@@ -200,32 +228,10 @@ def run_llama_cpp(
     use_tqdm: bool = True,
 ) -> dict:
     """llama-cpp-python on the GGUF file, one request after the other; EOS tokens banned."""
-    try:
-        import llama_cpp
-    except ImportError:
-        raise BackendUnavailable(
-            "llama-cpp-python is not installed: pip install 'llmserve[llama-cpp]' "
-            "(or pip install llama-cpp-python); skipped"
-        ) from None
     import numpy as np
 
-    from llmserve.loader import resolve_model
-
-    resolved = resolve_model(model)
-    if resolved.kind != "gguf":
-        raise BackendUnavailable(
-            f"llama-cpp needs a GGUF model, {resolved.display_name} is not one"
-        )
-    use_gpu = torch_device_dtype(device)[0].type == "cuda"
     n_ctx = max(r.prompt_len + r.output_len for r in requests) + 8
-    llm = llama_cpp.Llama(
-        model_path=resolved.weights_path,
-        n_ctx=n_ctx,
-        n_batch=512,
-        n_gpu_layers=-1 if use_gpu else 0,
-        seed=0,
-        verbose=False,
-    )
+    llama_cpp, llm = _load_llama_cpp(model, device, n_ctx)
     banned = sorted(banned_ids | {llm.token_eos()})
 
     def ban_eos(input_ids, scores):  # scores: [vocab] numpy
@@ -238,15 +244,9 @@ def run_llama_cpp(
     start = time.perf_counter()
     for r in requests:
         out = llm.create_completion(
-            prompt=r.prompt_token_ids,
-            max_tokens=r.output_len,
-            temperature=temperature,
-            top_k=0,
-            top_p=1.0,
-            min_p=0.0,
-            repeat_penalty=1.0,
-            logits_processor=processors,
-        )
+            prompt=r.prompt_token_ids, max_tokens=r.output_len, temperature=temperature,
+            top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0, logits_processor=processors,
+        )  # fmt: skip
         num_output += out["usage"]["completion_tokens"]
         bar.update(1)
     elapsed = time.perf_counter() - start

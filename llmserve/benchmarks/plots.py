@@ -6,7 +6,7 @@ import math
 import os
 from collections.abc import Sequence
 
-FIGURE_DPI = 80
+FIGURE_DPI = 72
 
 
 def _pyplot():
@@ -46,7 +46,7 @@ def plot_batch_sizes(points: Sequence[dict], path: str) -> str:
 def plot_request_rates(points: Sequence[dict], path: str) -> str:
     """Per strategy: TTFT, TPOT and E2E percentiles, and throughput, against request rate."""
     plt = _pyplot()
-    rates = sorted({p["request_rate"] for p in points})
+    rates = sorted({float(p["request_rate"]) for p in points})  # "inf" in a saved report
     fig, axes = plt.subplots(2, 2, figsize=(9, 6), sharex=True)
     panels = [
         (axes[0][0], "ttft", "TTFT (ms)"),
@@ -54,7 +54,7 @@ def plot_request_rates(points: Sequence[dict], path: str) -> str:
         (axes[1][0], "e2el", "end-to-end latency (ms)"),
     ]
     for strategy in dict.fromkeys(p["batching"] for p in points):
-        mine = {p["request_rate"]: p for p in points if p["batching"] == strategy}
+        mine = {float(p["request_rate"]): p for p in points if p["batching"] == strategy}
         xs = [i for i, r in enumerate(rates) if r in mine]
         for ax, name, label in panels:
             line = ax.plot(

@@ -11,9 +11,14 @@ from collections.abc import Sequence
 from typing import Any
 
 
-def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+def format_table(
+    headers: Sequence[str], rows: Sequence[Sequence[Any]], markdown: bool = False
+) -> str:
     """A left-aligned first column, right-aligned others; floats with 2 decimals."""
     cells = [[_cell(v) for v in row] for row in rows]
+    if markdown:
+        rule = ["---"] + ["---:"] * (len(headers) - 1)
+        return "\n".join("| " + " | ".join(r) + " |" for r in [list(headers), rule, *cells])
     widths = [max(len(str(h)), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
 
     def line(values: Sequence[str]) -> str:
@@ -39,7 +44,7 @@ def machine_info() -> dict[str, Any]:
         "python": sys.version.split()[0],
         "torch": torch.__version__,
         "platform": platform.platform(),
-        "cpu": platform.processor() or platform.machine(),
+        "cpu": _cpu_name(),
         "num_cpus": os.cpu_count(),
     }
     if torch.cuda.is_available():
@@ -56,6 +61,22 @@ def json_safe(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [json_safe(v) for v in value]
     return value
+
+
+def machine_text(machine: dict[str, Any]) -> str:
+    where = machine.get("gpu") or f"{machine.get('cpu')} CPU, {machine.get('num_cpus')} cores"
+    return f"{where}; torch {machine.get('torch')}, Python {machine.get('python')}, {machine.get('platform')}"
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def write_json(path: str | None, report: dict[str, Any]) -> None:

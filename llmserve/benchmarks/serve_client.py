@@ -235,7 +235,7 @@ def run_serve_benchmark(
     } | result
 
 
-def serve_summary_text(result: dict) -> str:
+def serve_summary_text(result: dict, markdown: bool = False) -> str:
     rows = [
         ["successful requests", result["completed"]],
         ["failed requests", result["failed"]],
@@ -244,10 +244,12 @@ def serve_summary_text(result: dict) -> str:
         ["output tok/s", result["output_throughput"]],
         ["total tok/s", result["total_token_throughput"]],
     ]
-    for name, label in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2E")):
-        for stat in ("mean", "median", "p90", "p99"):
-            rows.append([f"{label} {stat} (ms)", result[f"{stat}_{name}_ms"]])
-    text = format_table(["metric", "value"], rows)
+    latency = [
+        [label] + [result[f"{stat}_{name}_ms"] for stat in ("mean", "median", "p90", "p99")]
+        for name, label in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2E"))
+    ]
+    text = format_table(["metric", "value"], rows, markdown) + "\n\n"
+    text += format_table(["latency (ms)", "mean", "median", "p90", "p99"], latency, markdown)
     if result["errors"]:
         text += "\nerrors: " + "; ".join(result["errors"])
     return text

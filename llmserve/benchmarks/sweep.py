@@ -13,7 +13,6 @@ Writes ``sweep.json`` and two PNG plots into --output-dir.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -97,6 +96,7 @@ def run_sweep(
     requests: Sequence[BenchRequest],
     output_dir: str,
     output_json: str | None = None,
+    workload: str = "",
 ) -> dict:
     """Both sweeps, the JSON report and the plots."""
     from llmserve.benchmarks import plots
@@ -104,6 +104,7 @@ def run_sweep(
     _validate(plan)
     report: dict[str, Any] = {
         "benchmark": "sweep",
+        "workload": workload,
         "num_prompts": len(requests),
         "mean_prompt_len": sum(r.prompt_len for r in requests) / len(requests),
         "mean_output_len": sum(r.output_len for r in requests) / len(requests),
@@ -140,56 +141,32 @@ def _validate(plan: SweepPlan) -> None:
         raise ValueError("nothing to sweep: give --batch-sizes and/or --request-rates")
 
 
-def sweep_summary_text(report: dict) -> str:
+def sweep_summary_text(report: dict, markdown: bool = False) -> str:
     parts = []
     if report["batch_size_sweep"]:
-        rows = [
-            [
-                p["max_num_seqs"],
-                p["request_throughput"],
-                p["output_throughput"],
-                p["mean_seqs_per_step"],
-                p["num_preemptions"],
-            ]
-            for p in report["batch_size_sweep"]
-        ]
-        parts.append(
-            format_table(
-                ["max_num_seqs", "requests/s", "output tok/s", "seqs/step", "preemptions"], rows
-            )
-        )
+        parts.append(_batch_size_table(report["batch_size_sweep"], markdown))
     if report["rate_sweep"]:
-        rows = [
-            [
-                p["batching"],
-                _rate(p["request_rate"]),
-                p["output_throughput"],
-                p["median_ttft_ms"],
-                p["p99_ttft_ms"],
-                p["median_tpot_ms"],
-                p["median_e2el_ms"],
-                p["p99_e2el_ms"],
-            ]
-            for p in report["rate_sweep"]
-        ]
-        parts.append(
-            format_table(
-                [
-                    "batching",
-                    "rate",
-                    "output tok/s",
-                    "TTFT p50 ms",
-                    "TTFT p99 ms",
-                    "TPOT p50 ms",
-                    "E2E p50 ms",
-                    "E2E p99 ms",
-                ],
-                rows,
-            )
-        )
-    parts += [f"plot: {path}" for path in report["plots"]]
+        parts.append(_rate_table(report["rate_sweep"], markdown))
+    if report["plots"] and not markdown:
+        parts.append("\n".join(f"plot: {path}" for path in report["plots"]))
     return "\n\n".join(parts)
 
 
-def _rate(rate: float) -> str:
-    return "inf" if math.isinf(rate) else f"{rate:g}"
+def _batch_size_table(points: list[dict], markdown: bool) -> str:
+    headers = ["max_num_seqs", "requests/s", "output tok/s", "seqs/step", "preemptions"]
+    keys = ["max_num_seqs", "request_throughput", "output_throughput", "mean_seqs_per_step",
+            "num_preemptions"]  # fmt: skip
+    return format_table(headers, [[p[k] for k in keys] for p in points], markdown)
+
+
+def _rate_table(points: list[dict], markdown: bool) -> str:
+    headers = ["batching", "rate", "output tok/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms",
+               "E2E p50 ms", "E2E p99 ms"]  # fmt: skip
+    keys = ["output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms",
+            "median_e2el_ms", "p99_e2el_ms"]  # fmt: skip
+    rows = [[p["batching"], _rate(p["request_rate"])] + [p[k] for k in keys] for p in points]
+    return format_table(headers, rows, markdown)
+
+
+def _rate(rate: float | str) -> str:
+    return f"{float(rate):g}"  # also reads "inf" from a saved report

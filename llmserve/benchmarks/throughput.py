@@ -73,7 +73,7 @@ def run_peer(
                 )
             )
         except peers.BackendUnavailable as e:
-            print(f"[transformers-cb] {e}")
+            print(f"[transformers-cb] skipped: {e}")
             skipped["transformers-cb"] = str(e)
     return results
 
@@ -105,7 +105,7 @@ def run_throughput(args: argparse.Namespace, engine_kwargs: dict[str, Any], make
         try:
             results.extend(run_peer(backend, requests, tokenizer, args, skipped))
         except peers.BackendUnavailable as e:
-            print(f"[{backend}] {e}")
+            print(f"[{backend}] skipped: {e}")
             skipped[backend] = str(e)
     report = build_report(args, engine_kwargs, requests, results, skipped)
     print(summary_text(report))
@@ -152,7 +152,7 @@ def build_report(
     }
 
 
-def summary_text(report: dict) -> str:
+def summary_text(report: dict, markdown: bool = False) -> str:
     rows = [
         [
             r["backend"],
@@ -164,7 +164,7 @@ def summary_text(report: dict) -> str:
         for r in report["results"]
     ]
     headers = ["backend", "requests/s", "output tok/s", "total tok/s", "output vs llmserve"]
-    text = format_table(headers, rows) if rows else "no backend ran"
+    text = format_table(headers, rows, markdown) if rows else "no backend ran"
     llmserve = next((r for r in report["results"] if r["backend"] == "llmserve"), None)
     if llmserve:
         text += "\n\n" + engine_stats_text(llmserve)
