@@ -80,9 +80,14 @@ BAD_REQUESTS = [
     (_COMPLETION, {"prompt": [10**9]}, None),
     (_COMPLETION, {"prompt": ""}, None),
     (_COMPLETION, {}, "prompt"),
+    (_COMPLETION, {"prompt": 5}, "prompt"),
+    (_COMPLETION, {"prompt": "\ud800"}, "prompt"),
+    (_COMPLETION, {"prompt": "hi", "temperature": float("nan")}, "temperature"),
+    (_COMPLETION, {"prompt": "hi", "top_p": float("inf")}, "top_p"),
     (_CHAT, {"messages": []}, "messages"),
     (_CHAT, {"messages": "hi"}, "messages"),
     (_CHAT, {"messages": [{"content": "hi"}]}, "messages"),
+    (_CHAT, {"messages": [{"role": "user", "content": "\ud800"}]}, "messages"),
     (_CHAT, {"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
     (_CHAT, {"messages": CHAT, "logprobs": True, "top_logprobs": 50}, "top_logprobs"),
     (_CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
@@ -141,6 +146,27 @@ def test_bad_requests_do_not_harm_others(server):
         assert post(server, path, body).status_code == 400
     thread.join(120)
     assert result == {"finish": "length"}
+    wait_idle(server)
+
+
+_ODD_VALUES = [-1, 10**30, "x", [], {}, None, True, 0.5]
+_FIELDS = [
+    "prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stop", "seed",
+    "logprobs", "echo", "presence_penalty", "frequency_penalty", "repetition_penalty",
+    "logit_bias", "stream", "stream_options", "ignore_eos", "min_tokens", "priority", "model",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("field", _FIELDS)
+def test_odd_values_never_cause_a_500(server, field):
+    for value in _ODD_VALUES:
+        if field == "max_tokens" and value is None:
+            continue  # valid, and slow: generates up to max_model_len
+        body = {"prompt": "hi", "max_tokens": 2, "model": MODEL, field: value}
+        response = post(server, _COMPLETION, body)
+        assert response.status_code in (200, 400, 404), (field, value, response.text)
+        if response.status_code != 200:
+            assert_error(response, response.status_code)
     wait_idle(server)
 
 

@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 _ERROR_TYPES = {
     400: "invalid_request_error",
@@ -89,9 +90,14 @@ def _param_of(message: str) -> str | None:
     return first_word if first_word in _SAMPLING_FIELDS else None
 
 
+def _is_field(part: Any) -> bool:
+    """Keep field names and list indexes of a pydantic location; drop union type tags."""
+    return isinstance(part, int) or (part != "body" and part not in _TYPE_TAGS and "[" not in part)
+
+
 def _validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     first = errors[0] if errors else {"msg": "invalid request", "loc": ()}
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    loc = [str(part) for part in first.get("loc", ()) if _is_field(part)]
     if first.get("type") == "json_invalid":
         detail = first.get("ctx", {}).get("error", "")
         return f"The request body is not valid JSON: {detail}".rstrip(": "), None

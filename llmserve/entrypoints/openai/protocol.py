@@ -8,9 +8,10 @@ ignored, so any OpenAI client works.
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -24,8 +25,19 @@ MAX_LOGPROBS = 20  # most top logprobs per token a request may ask for
 MAX_N = 64  # most completions per prompt
 
 
+def _check_utf8(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"text is not valid Unicode ({e.reason} at position {e.start})") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_check_utf8)]  # rejects lone surrogates ("\ud800")
+
+
 class OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 # ---- errors ---------------------------------------------------------------------------------
@@ -61,7 +73,7 @@ class SamplingFields(OpenAIModel):
     top_k: int | None = None
     min_p: float | None = None
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     stop_token_ids: list[int] | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -81,7 +93,7 @@ class SamplingFields(OpenAIModel):
 class CompletionRequest(SamplingFields):
     """POST /v1/completions: ``prompt`` is text, texts, token ids or lists of token ids."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Text | list[Text] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
@@ -92,6 +104,9 @@ class CompletionRequest(SamplingFields):
         try:
             return handler(value)
         except ValidationError:
+            for text in value if isinstance(value, list) else [value]:
+                if isinstance(text, str):
+                    _check_utf8(text)  # the precise complaint, when that is the problem
             raise ValueError(
                 "prompt must be a string, a list of strings, a list of token ids "
                 "or a list of token id lists"
@@ -125,13 +140,13 @@ class CompletionResponse(OpenAIModel):
 # ---- chat completions -------------------------------------------------------------------------
 class ContentPart(OpenAIModel):
     type: str
-    text: str | None = None
+    text: Text | None = None
 
 
 class ChatMessage(OpenAIModel):
-    role: str
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
+    role: Text
+    content: Text | list[ContentPart] | None = None
+    name: Text | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -226,7 +241,7 @@ class TokenizeRequest(OpenAIModel):
     """POST /tokenize: give ``prompt`` (text) or ``messages`` (chat-templated)."""
 
     model: str | None = None
-    prompt: str | None = None
+    prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
