@@ -195,10 +195,14 @@ class AsyncLLMEngine:
     # ---- engine thread ------------------------------------------------------------------
     def _run(self) -> None:
         while not self._is_stopped:
-            self._run_commands(block=not self.engine.has_unfinished_requests())
-            if self.engine.has_unfinished_requests() and not self._is_stopped:
-                self._step()
-            self._take_snapshot()
+            try:
+                self._run_commands(block=not self.engine.has_unfinished_requests())
+                if self.engine.has_unfinished_requests() and not self._is_stopped:
+                    self._step()
+                self._take_snapshot()
+            except Exception:  # keep serving; _step already contains model failures
+                logger.exception("engine loop error")
+                time.sleep(_IDLE_POLL_S)
 
     def _run_commands(self, block: bool) -> None:
         try:
