@@ -54,6 +54,23 @@ def time_ms(fn: Callable[[], Any], repeats: int, device: torch.device, warmup: i
     return statistics.median(times)
 
 
+def interleaved_ms(
+    fns: dict[str, Callable[[], Any]], repeats: int, device: torch.device
+) -> dict[str, list[float]]:
+    """Wall times (ms) of several functions run in turn, so load from other processes on a
+    shared machine hits them alike; one warm-up call each."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for i in range(repeats + 1):
+        for name, fn in fns.items():
+            _sync(device)
+            start = time.perf_counter()
+            fn()
+            _sync(device)
+            if i:
+                times[name].append((time.perf_counter() - start) * 1e3)
+    return times
+
+
 class OpTimer:
     """Accumulates wall time spent inside nn.Linear (matmul) and Attention (attention) calls."""
 
@@ -166,13 +183,14 @@ def step_breakdown(model, batch: int, context: int, repeats: int, block_size: in
         total = time.perf_counter() - start
         if i:
             steps.append({"total": total, **timer.totals})
-    step_ms = statistics.median(s["total"] for s in steps) * 1e3
+    step_ms = statistics.median(s["total"] for s in steps) * 1e3  # parts: medians as well
     parts = {k: statistics.median(s[k] for s in steps) * 1e3 for k in ("attention", "matmul")}
     other = max(step_ms - parts["attention"] - parts["matmul"], 0.0)
     return {
         "batch": batch,
         "context": context,
         "step_ms": step_ms,
+        "step_min_ms": min(s["total"] for s in steps) * 1e3,
         "attention_ms": parts["attention"],
         "matmul_ms": parts["matmul"],
         "other_ms": other,
@@ -206,8 +224,8 @@ def paged_vs_contiguous(
         return F.scaled_dot_product_attention(q_grouped, k, v, scale=scale)
 
     max_diff = (paged() - contiguous().reshape(q.shape)).abs().max().item()
-    paged_ms = time_ms(paged, repeats, device)
-    contiguous_ms = time_ms(contiguous, repeats, device)
+    times = interleaved_ms({"paged": paged, "contiguous": contiguous}, repeats, device)
+    paged_ms, contiguous_ms = (statistics.median(times[n]) for n in ("paged", "contiguous"))
     plan_ms = time_ms(lambda: build_plan(meta, block_size), repeats, device)
     kv_bytes = 2 * k.numel() * k.element_size()
     return {
@@ -216,6 +234,9 @@ def paged_vs_contiguous(
         "paged_ms": paged_ms,
         "contiguous_sdpa_ms": contiguous_ms,
         "ratio": paged_ms / contiguous_ms,
+        "paged_min_ms": min(times["paged"]),
+        "contiguous_sdpa_min_ms": min(times["contiguous"]),
+        "ratio_of_min": min(times["paged"]) / min(times["contiguous"]),
         "plan_ms_per_step": plan_ms,
         "kv_mib": kv_bytes / 2**20,
         "paged_gbs": kv_bytes / paged_ms / 1e6,
@@ -239,12 +260,12 @@ def print_report(report: dict) -> None:
     print(
         f"\nCPU decode step, batch {cpu['step'][0]['batch']}, {cpu['model']}, {cpu['threads']} threads"
     )
-    cols = ("context", "step_ms", "attention_ms", "matmul_ms", "other_ms", "attention_share",
+    cols = ("context", "step_ms", "step_min_ms", "attention_ms", "matmul_ms", "other_ms", "attention_share",
             "matmul_share", "other_share")  # fmt: skip
     print(format_table(cols, [[r[c] for c in cols] for r in cpu["step"]]))
     print("\nCPU decode attention, one layer: paged (torch) vs SDPA on contiguous K/V")
-    cols = ("context", "paged_ms", "contiguous_sdpa_ms", "ratio", "plan_ms_per_step", "kv_mib",
-            "paged_gbs", "max_abs_diff")  # fmt: skip
+    cols = ("context", "paged_ms", "contiguous_sdpa_ms", "ratio", "ratio_of_min",
+            "plan_ms_per_step", "kv_mib", "paged_gbs", "max_abs_diff")  # fmt: skip
     print(format_table(cols, [[r[c] for c in cols] for r in cpu["paged_vs_contiguous"]]))
     if report.get("gpu"):
         from llmserve.benchmarks.attention_gpu import print_gpu
@@ -264,7 +285,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="dummy: random weights (same speed, no loading)")  # fmt: skip
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--contexts", type=int, nargs="+", default=[256, 1024, 4096])
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=10, help="timed runs (medians reported)")
     p.add_argument("--skip-gpu", action="store_true", help="CPU measurements only")
     p.add_argument("--prefill-lens", type=int, nargs="+", default=[1024, 4096, 16384])
     p.add_argument("--decode-shapes", type=_shape, nargs="+", default=[(32, 1024), (64, 4096)],

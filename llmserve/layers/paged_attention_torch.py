@@ -30,7 +30,7 @@ from torch.nn import functional as F
 
 from llmserve.runner.attention_metadata import AttentionMetadata
 
-TILE_BYTES = 8 << 20  # gathered K + V per decode tile
+TILE_BYTES = 4 << 20  # gathered K + V per decode tile: about two L2 caches
 
 
 @dataclass
