@@ -71,7 +71,7 @@ class EngineListeners:
 class RequestStream:
     """The outputs of one request, fed by the engine thread, read by one handler."""
 
-    def __init__(self, request_id: str):
+    def __init__(self, request_id: str) -> None:
         self.request_id = request_id
         self.is_finished = False
         self._queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
@@ -94,7 +94,7 @@ class RequestStream:
 class AsyncLLMEngine:
     """Drives ``LLMEngine.step`` in a thread; ``generate`` yields cumulative outputs."""
 
-    def __init__(self, engine: LLMEngine, max_num_waiting: int | None = None):
+    def __init__(self, engine: LLMEngine, max_num_waiting: int | None = None) -> None:
         self.engine = engine
         self.max_num_waiting = max_num_waiting
         self.listeners = EngineListeners()

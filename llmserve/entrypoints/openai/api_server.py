@@ -95,7 +95,7 @@ def build_app(
 class ApiKeyMiddleware:
     """401 unless ``Authorization: Bearer <key>`` on the API routes."""
 
-    def __init__(self, app: ASGIApp, api_key: str):
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
 

@@ -44,7 +44,7 @@ class OpenAIError(Exception):
         param: str | None = None,
         code: str | None = None,
         headers: dict[str, str] | None = None,
-    ):
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.status = status

@@ -11,6 +11,7 @@ import argparse
 import logging
 import os
 import signal
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
@@ -96,7 +97,7 @@ def run_server(args: argparse.Namespace) -> int:
 class GracefulServer(uvicorn.Server):
     """uvicorn, plus: on the first SIGINT / SIGTERM, end the requests in flight."""
 
-    def __init__(self, config: uvicorn.Config, on_exit: Any):
+    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None]) -> None:
         super().__init__(config)
         self._on_exit = on_exit
 

@@ -25,7 +25,7 @@ _MIN_LOGPROB = -9999.0
 class TokenTexts:
     """Decoded text of single tokens, cached."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self._tokenizer = tokenizer
         self.text = lru_cache(maxsize=65536)(self._decode)
 

@@ -28,7 +28,7 @@ _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 class _EngineCollector(Collector):
     """Gauges and counters mirrored from ``AsyncLLMEngine.snapshot``."""
 
-    def __init__(self, engine: AsyncLLMEngine):
+    def __init__(self, engine: AsyncLLMEngine) -> None:
         self.engine = engine
 
     def collect(self) -> Iterator[Metric]:
@@ -61,7 +61,7 @@ class ServerMetrics:
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, engine: AsyncLLMEngine):
+    def __init__(self, engine: AsyncLLMEngine) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(engine))
         self.ttft = self._histogram("time_to_first_token_seconds", "Time to first token")

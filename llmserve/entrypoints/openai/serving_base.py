@@ -73,7 +73,7 @@ class ChoiceProgress:
 class ServingBase:
     """Holds the engine and what the endpoints read from it."""
 
-    def __init__(self, engine: AsyncLLMEngine, model_names: list[str]):
+    def __init__(self, engine: AsyncLLMEngine, model_names: list[str]) -> None:
         self.engine = engine
         self.model_names = model_names
         self.model_name = model_names[0]
