@@ -85,7 +85,7 @@ def build_plan(meta: AttentionMetadata, block_size: int) -> TorchAttentionPlan:
     return TorchAttentionPlan(
         block_size=block_size,
         decode_seq_lens=meta.seq_lens_cpu[:nd],
-        decode_tables=meta.block_tables[:nd, :d_blocks],
+        decode_tables=meta.block_tables[:nd, :d_blocks].long(),  # int64: index_select's fast path
         decode_mask=decode_mask[:, None, None, :],
         prefill_tables=meta.block_tables[nd:, :p_blocks],
         prefill_mask=prefill_mask[:, None, :, :],
@@ -135,13 +135,14 @@ def _gather_kv(cache: torch.Tensor, tables: torch.Tensor, out: torch.Tensor | No
     The result is a strided view of ``out`` (or of a new tensor), not a contiguous copy.
     """
     batch, num_blocks = tables.shape
-    _, block_size, kv_heads, head_dim = cache.shape
+    num_pool_blocks, block_size, kv_heads, head_dim = cache.shape
     flat = tables.reshape(-1)
+    rows = cache.view(num_pool_blocks, -1)  # [num_blocks, bs * kvh * D]: one memcpy per block
     if out is not None:
-        out = out[: flat.shape[0]]
-        torch.index_select(cache, 0, flat, out=out)  # [B * nb, bs, kvh, D]
+        out = out.view(out.shape[0], -1)[: flat.shape[0]]
+        torch.index_select(rows, 0, flat, out=out)  # [B * nb, bs * kvh * D]
     else:
-        out = cache.index_select(0, flat)
+        out = rows.index_select(0, flat)
     return out.view(batch, num_blocks * block_size, kv_heads, head_dim).transpose(1, 2)
 
 
