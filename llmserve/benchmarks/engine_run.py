@@ -32,9 +32,18 @@ def bench_params(request: BenchRequest, temperature: float, seed: int) -> Sampli
     )
 
 
+def release_memory() -> None:
+    """Free what a dropped engine held (its KV cache, CUDA graphs) before the next one loads."""
+    gc.collect()
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def build_engine(engine_kwargs: dict[str, Any]) -> tuple[LLMEngine, float]:
     """A fresh engine (the previous one freed first) and its load time in seconds."""
-    gc.collect()
+    release_memory()
     start = time.perf_counter()
     engine = LLMEngine.from_kwargs(**engine_kwargs)
     warmup(engine)
@@ -60,7 +69,9 @@ def engine_counters(engine: LLMEngine) -> dict[str, int]:
     }
 
 
-def engine_report(engine: LLMEngine, before: dict[str, int], max_kv_usage: float) -> dict:
+def engine_report(
+    engine: LLMEngine, before: dict[str, int], max_kv_usage: float, max_seqs_per_step: int
+) -> dict:
     """Batch and KV statistics of the run between ``before`` and now."""
     after = engine_counters(engine)
     delta = {k: after[k] - before[k] for k in after}
@@ -69,7 +80,7 @@ def engine_report(engine: LLMEngine, before: dict[str, int], max_kv_usage: float
     return {
         "num_steps": delta["num_steps"],
         "mean_seqs_per_step": delta["num_batched_seqs"] / steps,
-        "max_seqs_per_step": engine.stats.max_batched_seqs,
+        "max_seqs_per_step": max_seqs_per_step,
         "num_preemptions": delta["num_preemptions"],
         "prefix_hit_rate": delta["num_prefix_hits"] / queries if queries else 0.0,
         "max_kv_usage": max_kv_usage,
@@ -94,6 +105,7 @@ class _Driver:
         self.last_token = [0.0] * len(requests)
         self.index: dict[str, int] = {}  # request id -> position in requests
         self.max_kv_usage = 0.0
+        self.max_seqs_per_step = 0
         self.start = time.monotonic()
 
     @property
@@ -119,10 +131,12 @@ class _Driver:
 
     def step(self) -> int:
         """One engine step; returns how many requests finished."""
-        num_steps = self.engine.stats.num_steps
+        stats = self.engine.stats
+        num_steps, num_seqs = stats.num_steps, stats.num_batched_seqs
         outputs = self.engine.step()
-        if self.engine.stats.num_steps == num_steps:
+        if stats.num_steps == num_steps:
             time.sleep(0.0005)  # nothing scheduled (e.g. a dynamic batch still filling)
+        self.max_seqs_per_step = max(self.max_seqs_per_step, stats.num_batched_seqs - num_seqs)
         now = time.monotonic() - self.start
         self.max_kv_usage = max(self.max_kv_usage, self.engine.block_manager.usage)
         for out in outputs:
@@ -170,4 +184,5 @@ def drive(
     finally:
         bar.close()
     elapsed = time.monotonic() - driver.start
-    return driver.records, elapsed, engine_report(engine, before, driver.max_kv_usage)
+    report = engine_report(engine, before, driver.max_kv_usage, driver.max_seqs_per_step)
+    return driver.records, elapsed, report

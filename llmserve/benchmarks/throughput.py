@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from llmserve.benchmarks import peers
-from llmserve.benchmarks.engine_run import build_engine, drive
+from llmserve.benchmarks.engine_run import build_engine, drive, release_memory
 from llmserve.benchmarks.metrics import summarize_ms, throughput_result
 from llmserve.benchmarks.report import format_table, machine_info, write_json
 from llmserve.benchmarks.workloads import BenchRequest
@@ -101,6 +101,7 @@ def run_throughput(args: argparse.Namespace, engine_kwargs: dict[str, Any], make
                 run_llmserve(engine, load_s, requests, args.temperature, not args.disable_tqdm)
             )
             engine = None  # free its KV cache before a peer loads
+            release_memory()
             continue
         try:
             results.extend(run_peer(backend, requests, tokenizer, args, skipped))
