@@ -44,7 +44,8 @@ BATCHES = {  # (query lengths, context lengths): decodes first, then prefill chu
     "equal-decodes": ([1] * 5, [32] * 5),
     "mixed": ([1, 1, 4, 7], [16, 9, 9, 30]),
     "prefix-chunks": ([5, 3, 12], [5, 40, 12]),
-    "one-prefill": ([9], [9]),
+    "one-prefill": ([9], [9]),  # no cached prefix: SDPA's causal mask
+    "decodes-and-one-prefill": ([1, 1, 6], [10, 20, 6]),
 }
 
 

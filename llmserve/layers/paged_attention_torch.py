@@ -55,6 +55,7 @@ class TorchAttentionPlan:
     prefill_mask: torch.Tensor  # [num_prefills, 1, max_q, ctx_p] bool
     prefill_q_index: torch.Tensor  # [num_prefills, max_q] token index of each padded query
     prefill_valid: torch.Tensor  # [num_prefills * max_q] bool, real (not padding) queries
+    prefill_is_causal: bool  # one prefill, nothing cached before it: SDPA's own causal mask
     # Filled by the first layer (they depend on the KV pool's shape and dtype), then reused.
     tiles: list[DecodeTile] | None = None
     buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # gather scratch for K and V
@@ -91,6 +92,7 @@ def build_plan(meta: AttentionMetadata, block_size: int) -> TorchAttentionPlan:
         prefill_mask=prefill_mask[:, None, :, :],
         prefill_q_index=q_index,
         prefill_valid=valid.reshape(-1),
+        prefill_is_causal=len(q_lens) == 1 and q_lens[0] == meta.seq_lens_cpu[nd],
     )
 
 
@@ -190,6 +192,20 @@ def _grouped_sdpa(
     return out.reshape(batch, q_len, num_heads, head_dim)
 
 
+def _causal_prefill(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """A whole prompt at once: q ``[N, H, D]``, k/v ``[1, kvh, >= N, D]`` -> ``[N, H, D]``.
+
+    ``is_causal`` lets SDPA skip the masked half instead of computing and masking it.
+    """
+    n = q.shape[0]
+    q = q.transpose(0, 1).unsqueeze(0)  # [1, H, N, D]
+    k, v = k[:, :, :n], v[:, :, :n]
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)  # [N, H, D]
+
+
 def _grouped_mask(plan: TorchAttentionPlan, group: int) -> torch.Tensor:
     """The prefill mask repeated for the G folded query heads: ``[np, 1, G * max_q, ctx]``."""
     if group not in plan.grouped_masks:
@@ -217,6 +233,9 @@ def paged_attention_torch(
     if meta.num_seqs > nd:
         k = _gather_kv(k_cache, plan.prefill_tables)
         v = _gather_kv(v_cache, plan.prefill_tables)
+        if plan.prefill_is_causal:
+            out[nd:] = _causal_prefill(q[nd:], k, v, scale)
+            return out
         mask = _grouped_mask(plan, q.shape[1] // k_cache.shape[2])
         q_pad = q[plan.prefill_q_index]  # [np, max_q, H, D]
         o = _grouped_sdpa(q_pad, k, v, mask, scale)  # [np, max_q, H, D]
