@@ -7,6 +7,7 @@ import logging
 import torch
 
 from llmserve.config import EngineConfig
+from llmserve.layers.cpu_linear import can_pack, pack_linear_layers
 from llmserve.loader import ResolvedModel, iter_weights
 from llmserve.models.registry import get_model_class
 from llmserve.runner import kv_cache
@@ -63,7 +64,10 @@ def load_model(
             torch.nn.init.normal_(param.data, std=0.02)
     else:
         model.load_weights(iter_weights(resolved))
-    return model.to(dtype=dtype).eval()
+    model = model.to(dtype=dtype).eval()
+    if can_pack(device, dtype):
+        pack_linear_layers(model, batch_size_hint=config.scheduler.max_num_seqs)
+    return model
 
 
 def create_runner(
