@@ -51,8 +51,12 @@ class StubEngine:
         return request
 
     def abort_request(self, request_ids):
+        outputs = []
         for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
-            self.scheduler.abort(request_id)
+            request = self.scheduler.requests.get(request_id)
+            if request is not None and self.scheduler.abort(request_id):
+                outputs.append(make_request_output(request))
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -23,7 +23,6 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from llmserve.engine.llm_engine import LLMEngine, PromptType
-from llmserve.engine.output_processor import make_request_output
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams
 
@@ -246,11 +245,10 @@ class AsyncLLMEngine:
     def _abort(self, request_id: str, deliver: bool) -> None:
         """Abort in the engine; with ``deliver``, the stream gets a final "abort" output."""
         stream = self._streams.pop(request_id, None)
-        request = self.engine.scheduler.requests.get(request_id)
-        self.engine.abort_request(request_id)
-        if request is None or stream is None:
+        outputs = self.engine.abort_request(request_id)
+        if not outputs or stream is None:
             return
-        output = make_request_output(request)
+        output = outputs[0]
         self._notify_finish(output)
         if deliver:
             self._deliver([(stream, output)])

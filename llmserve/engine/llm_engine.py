@@ -141,9 +141,15 @@ class LLMEngine:
             params = SamplingParams(**{**vars(params), "max_tokens": max_tokens})
         return params
 
-    def abort_request(self, request_ids: str | list[str]) -> None:
+    def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
+        """Abort requests (unknown ids are ignored); returns their final "abort" outputs."""
+        outputs = []
         for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
-            self.scheduler.abort(request_id)
+            request = self.scheduler.requests.get(request_id)
+            if request is not None and self.scheduler.abort(request_id):
+                request.metrics.finished_time = time.monotonic()
+                outputs.append(make_request_output(request))
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
