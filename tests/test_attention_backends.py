@@ -49,11 +49,13 @@ BATCHES = {  # (query lengths, context lengths): decodes first, then prefill chu
 }
 
 
-@pytest.mark.parametrize("tile_bytes", [pat.TILE_BYTES, 3000], ids=["one-tile", "many-tiles"])
+@pytest.mark.parametrize(
+    "tile_bytes", [pat.TILE_BYTES_PER_THREAD, 1000], ids=["one-tile", "many-tiles"]
+)
 @pytest.mark.parametrize("heads", [(4, 4), (6, 2), (8, 1)], ids=["mha", "gqa", "mqa"])
 @pytest.mark.parametrize("name", list(BATCHES))
 def test_torch_paged_attention_matches_reference(name, heads, tile_bytes, monkeypatch):
-    monkeypatch.setattr(pat, "TILE_BYTES", tile_bytes)
+    monkeypatch.setattr(pat, "TILE_BYTES_PER_THREAD", tile_bytes)
     q_lens, seq_lens = BATCHES[name]
     num_heads, num_kv_heads = heads
     batch = make_paged_batch(q_lens, seq_lens, num_heads, num_kv_heads, 16, block_size=8)
@@ -77,6 +79,8 @@ def test_decode_tiles_cover_the_batch_within_budget():
     assert [(t.start, t.end) for t in tiles] == [(0, 2), (2, 3), (3, 5), (5, 6)]
     assert [t.num_blocks for t in tiles] == [3, 5, 1, 13]  # longest context in the tile
     assert [t.seq_len for t in tiles] == [None, 33, 8, 100]  # None: lengths differ, mask
+    tiles = pat.plan_decode_tiles([5, 17, 33, 8, 8, 100], block_size=8, tile_tokens=48, min_seqs=2)
+    assert [(t.start, t.end) for t in tiles] == [(0, 2), (2, 4), (4, 6)]  # over budget: 2 each
     assert pat.plan_decode_tiles([], 8, 48) == []
     one = pat.plan_decode_tiles([7] * 64, block_size=8, tile_tokens=1 << 20)
     assert [(t.start, t.end, t.seq_len) for t in one] == [(0, 64, 7)]

@@ -10,15 +10,16 @@ folded into the query-length axis (query head h reads KV head h // G),
 Decode (one query per sequence) is memory-bound: it reads every cached K/V once. Gathering
 the whole batch first would write the copy to memory and read it back (three passes over
 the data); instead the batch is cut into *tiles* of consecutive sequences whose gathered K/V
-fit in the last-level cache (``TILE_BYTES``), each gathered into one reused buffer and
-attended while it is still in cache:
+fit in cache (``TILE_BYTES_PER_THREAD`` x threads), each gathered into one reused buffer
+and attended while it is still in cache:
 
-    decodes  d0 d1 d2 d3 d4 d5 d6 d7     tile = as many sequences as TILE_BYTES holds
-             [  tile 0  ][  tile 1  ]    (all of them at short contexts; one at very long)
+    decodes  d0 d1 d2 d3 d4 d5 d6 d7     tile = as many sequences as the budget holds
+             [  tile 0  ][  tile 1  ]    (all of them at short contexts; at least one per
+                                          thread at very long ones, so every thread has work)
     a tile gathers ceil(longest context / block_size) blocks per sequence, and needs no mask
     when all its contexts have the same length.
 
-The number of tiles is the batch's K/V bytes over TILE_BYTES, not the number of sequences.
+The number of tiles is the batch's K/V bytes over the budget, not the number of sequences.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from torch.nn import functional as F
 
 from llmserve.runner.attention_metadata import AttentionMetadata
 
-TILE_BYTES = 4 << 20  # gathered K + V per decode tile: about two L2 caches
+TILE_BYTES_PER_THREAD = 2 << 20  # gathered K + V per decode tile, per thread: about one L2
 
 
 @dataclass
@@ -96,16 +97,20 @@ def build_plan(meta: AttentionMetadata, block_size: int) -> TorchAttentionPlan:
     )
 
 
-def plan_decode_tiles(seq_lens: list[int], block_size: int, tile_tokens: int) -> list[DecodeTile]:
+def plan_decode_tiles(
+    seq_lens: list[int], block_size: int, tile_tokens: int, min_seqs: int = 1
+) -> list[DecodeTile]:
     """Cut the decodes into runs of consecutive sequences of at most ``tile_tokens`` gathered
-    tokens each (one sequence at least), every sequence padded to its tile's longest context."""
+    tokens each (but at least ``min_seqs`` sequences), every sequence padded to its tile's
+    longest context."""
     tiles: list[DecodeTile] = []
     start = 0
     while start < len(seq_lens):
         end, longest = start, 0
         while end < len(seq_lens):
             blocks = -(-max(longest, seq_lens[end]) // block_size)
-            if end > start and blocks * block_size * (end - start + 1) > tile_tokens:
+            over = blocks * block_size * (end - start + 1) > tile_tokens
+            if end - start >= min_seqs and over:
                 break
             longest = max(longest, seq_lens[end])
             end += 1
@@ -120,8 +125,12 @@ def _prepare_decode(plan: TorchAttentionPlan, k_cache: torch.Tensor) -> None:
     """Size the tiles for this pool's bytes per token and allocate the gather buffers."""
     _, block_size, kv_heads, head_dim = k_cache.shape
     bytes_per_token = 2 * kv_heads * head_dim * k_cache.element_size()
+    threads = torch.get_num_threads()  # SDPA splits a tile's (sequence, KV head) pairs
     plan.tiles = plan_decode_tiles(
-        plan.decode_seq_lens, block_size, max(TILE_BYTES // bytes_per_token, block_size)
+        plan.decode_seq_lens,
+        block_size,
+        TILE_BYTES_PER_THREAD * threads // bytes_per_token,
+        threads,
     )
     num_blocks = max((t.num_blocks * (t.end - t.start) for t in plan.tiles), default=0)
     shape = (num_blocks, block_size, kv_heads, head_dim)
