@@ -126,12 +126,10 @@ def _prepare_decode(plan: TorchAttentionPlan, k_cache: torch.Tensor) -> None:
     _, block_size, kv_heads, head_dim = k_cache.shape
     bytes_per_token = 2 * kv_heads * head_dim * k_cache.element_size()
     threads = torch.get_num_threads()  # SDPA splits a tile's (sequence, KV head) pairs
-    plan.tiles = plan_decode_tiles(
-        plan.decode_seq_lens,
-        block_size,
-        TILE_BYTES_PER_THREAD * threads // bytes_per_token,
-        threads,
-    )
+    budget = TILE_BYTES_PER_THREAD * threads // bytes_per_token
+    if k_cache.device.type != "cpu":  # a GPU gains nothing from tiles, and pays per launch
+        budget = 1 << 62
+    plan.tiles = plan_decode_tiles(plan.decode_seq_lens, block_size, budget, threads)
     num_blocks = max((t.num_blocks * (t.end - t.start) for t in plan.tiles), default=0)
     shape = (num_blocks, block_size, kv_heads, head_dim)
     plan.buffers = (
