@@ -56,7 +56,7 @@ class TorchAttentionPlan:
     prefill_mask: torch.Tensor  # [num_prefills, 1, max_q, ctx_p] bool
     prefill_q_index: torch.Tensor  # [num_prefills, max_q] token index of each padded query
     prefill_valid: torch.Tensor  # [num_prefills * max_q] bool, real (not padding) queries
-    prefill_is_causal: bool  # one prefill, nothing cached before it: SDPA's own causal mask
+    prefill_is_causal: bool  # no prefill has cached context before it: SDPA's own causal mask
     # Filled by the first layer (they depend on the KV pool's shape and dtype), then reused.
     tiles: list[DecodeTile] | None = None
     buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # gather scratch for K and V
@@ -93,7 +93,7 @@ def build_plan(meta: AttentionMetadata, block_size: int) -> TorchAttentionPlan:
         prefill_mask=prefill_mask[:, None, :, :],
         prefill_q_index=q_index,
         prefill_valid=valid.reshape(-1),
-        prefill_is_causal=len(q_lens) == 1 and q_lens[0] == meta.seq_lens_cpu[nd],
+        prefill_is_causal=q_lens == meta.seq_lens_cpu[nd:],
     )
 
 
@@ -200,17 +200,19 @@ def _grouped_sdpa(
 
 
 def _causal_prefill(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    q_pad: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """A whole prompt at once: q ``[N, H, D]``, k/v ``[1, kvh, >= N, D]`` -> ``[N, H, D]``.
+    """Whole prompts, right-padded: q ``[np, max_q, H, D]``, k/v ``[np, kvh, >= max_q, D]``.
 
-    ``is_causal`` lets SDPA skip the masked half instead of computing and masking it.
+    ``is_causal`` lets SDPA skip the masked half instead of computing and masking it. The
+    padding needs no mask: a padded key sits after every real query of its row, so only
+    padded queries (whose outputs are dropped) can see it.
     """
-    n = q.shape[0]
-    q = q.transpose(0, 1).unsqueeze(0)  # [1, H, N, D]
-    k, v = k[:, :, :n], v[:, :, :n]
+    max_q = q_pad.shape[1]
+    q = q_pad.transpose(1, 2)  # [np, H, max_q, D]
+    k, v = k[:, :, :max_q], v[:, :, :max_q]
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-    return out[0].transpose(0, 1)  # [N, H, D]
+    return out.transpose(1, 2)  # [np, max_q, H, D]
 
 
 def _grouped_mask(plan: TorchAttentionPlan, group: int) -> torch.Tensor:
@@ -240,11 +242,11 @@ def paged_attention_torch(
     if meta.num_seqs > nd:
         k = _gather_kv(k_cache, plan.prefill_tables)
         v = _gather_kv(v_cache, plan.prefill_tables)
-        if plan.prefill_is_causal:
-            out[nd:] = _causal_prefill(q[nd:], k, v, scale)
-            return out
-        mask = _grouped_mask(plan, q.shape[1] // k_cache.shape[2])
         q_pad = q[plan.prefill_q_index]  # [np, max_q, H, D]
-        o = _grouped_sdpa(q_pad, k, v, mask, scale)  # [np, max_q, H, D]
+        if plan.prefill_is_causal:
+            o = _causal_prefill(q_pad, k, v, scale)
+        else:
+            mask = _grouped_mask(plan, q.shape[1] // k_cache.shape[2])
+            o = _grouped_sdpa(q_pad, k, v, mask, scale)  # [np, max_q, H, D]
         out[nd:] = o.reshape(-1, *q.shape[1:])[plan.prefill_valid]
     return out
