@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 test: setup
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -p no:cacheprovider
 
 serve: setup
 	$(VENV)/bin/llmserve serve --host 127.0.0.1 --port 8000

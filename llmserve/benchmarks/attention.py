@@ -283,6 +283,12 @@ def _shape(text: str) -> tuple[int, int]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0].strip("`"))
+    add_arguments(p)
+    return p.parse_args(argv)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options, shared by ``python -m llmserve.benchmarks.attention`` and ``llmserve bench attention``."""
     p.add_argument("--model", default=None, help="model for the CPU step (default: SmolLM2)")
     p.add_argument("--load-format", default="dummy", choices=("auto", "dummy"),
                    help="dummy: random weights (same speed, no loading)")  # fmt: skip
@@ -298,11 +304,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--graph-prompt-len", type=int, default=32)
     p.add_argument("--graph-output-len", type=int, default=128)
     p.add_argument("--output-json", default=None)
-    return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
+    return run(parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> dict:
     report: dict[str, Any] = {"machine": machine_info(), "args": vars(args)}
     report["cpu"] = run_cpu(args)
     if torch.cuda.is_available() and not args.skip_gpu:

@@ -256,11 +256,33 @@ def run_report_command(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- attention --------------------------------------------------------------------------
+def add_attention_parser(subparsers) -> None:
+    from llmserve.benchmarks.attention import add_arguments
+
+    p = subparsers.add_parser(
+        "attention",
+        help="attention vs matmul step breakdown, paged vs contiguous (CPU; GPU kernels on CUDA)",
+    )
+    add_arguments(p)
+    p.set_defaults(func=run_attention_command)
+
+
+def run_attention_command(args: argparse.Namespace) -> int:
+    from llmserve.benchmarks import attention
+
+    attention.run(args)
+    return 0
+
+
 def add_parser(subparsers) -> None:
     """Register ``bench`` and its subcommands on the ``llmserve`` parser."""
-    bench = subparsers.add_parser("bench", help="benchmarks: throughput, serve, sweep, report")
+    bench = subparsers.add_parser(
+        "bench", help="benchmarks: throughput, serve, sweep, report, attention"
+    )
     sub = bench.add_subparsers(dest="bench_command", required=True)
     add_throughput_parser(sub)
     add_serve_parser(sub)
     add_sweep_parser(sub)
     add_report_parser(sub)
+    add_attention_parser(sub)
