@@ -63,7 +63,7 @@ class SchedulerConfig:
     """How requests are batched into steps."""
 
     max_num_seqs: int = _opt(256, "Most sequences in one step")
-    max_num_batched_tokens: int = _opt(8192, "Most tokens (prefill + decode) in one step")
+    max_num_batched_tokens: int = _opt(2048, "Most tokens (prefill + decode) in one step")
     enable_chunked_prefill: bool = _opt(True, "Split long prompts over several steps")
     scheduling_policy: str = _opt("fcfs", "Order of admission and preemption", ("fcfs", "priority"))
     batching: str = _opt(
