@@ -14,6 +14,14 @@ os.environ["TRITON_INTERPRET"] = "1"
 import pytest  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _seeded():
+    """Same random inputs on every run, so a failure reproduces."""
+    import torch
+
+    torch.manual_seed(0)
+
+
 @pytest.fixture
 def kernels():
     """The llmserve.kernels package, skipping the test when Triton is not installed."""

@@ -71,7 +71,11 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
 
 def tolerance(dtype: torch.dtype) -> dict[str, float]:
     """assert_close tolerances for kernel-vs-reference comparisons."""
-    return {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
+    if dtype == torch.float32:
+        return {"atol": 1e-4, "rtol": 1e-4}
+    if dtype == torch.bfloat16:  # two bf16 ulps (2 x 2**-7): the sum and the output each round
+        return {"atol": 2e-2, "rtol": 2e-2}
+    return {"atol": 1e-2, "rtol": 1e-2}
 
 
 def cos_sin_cache(max_pos: int, rot_dim: int, base: float = 10000.0) -> torch.Tensor:
