@@ -70,7 +70,7 @@ class Attention(nn.Module):
                 meta.seq_lens[nd:],
                 meta.block_tables[nd:],
                 self.scale,
-                max(meta.query_lens_cpu[nd:]),
+                meta.max_query_len,
             )
         return out
 

@@ -153,12 +153,12 @@ class ModelRunner:
             logits = logits[torch.tensor(row_of, device=logits.device)]  # forks: one row per child
         result = self.sampler(logits.float(), rows)
         k = 0
-        for item in sampling:
-            n = len(item.seq.request.seqs[: item.num_samples]) if item.num_samples > 1 else 1
+        for item in sampling:  # a fork step samples one row per child: num_samples rows
             out.samples[item.seq.seq_id] = [
-                (result.sampled_token_ids[j], result.logprobs[j]) for j in range(k, k + n)
+                (result.sampled_token_ids[j], result.logprobs[j])
+                for j in range(k, k + item.num_samples)
             ]
-            k += n
+            k += item.num_samples
 
     def _row(self, item: ScheduledSeq, target) -> SamplingRow:
         request = item.seq.request
