@@ -87,7 +87,10 @@ class DeviceConfig:
 
     device: str = _opt("auto", "auto, cpu or cuda", ("auto", "cpu", "cuda"))
     attention_backend: str = _opt(
-        "auto", "auto = triton on CUDA, torch on CPU", ("auto", "torch", "triton")
+        "auto",
+        "auto = triton on CUDA; on CPU cpp (torch, with a C++ paged-decode kernel) in float32, "
+        "else torch",
+        ("auto", "torch", "cpp", "triton"),
     )
     enforce_eager: bool = _opt(False, "Disable CUDA graphs for decode")
 

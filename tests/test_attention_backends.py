@@ -1,7 +1,8 @@
-"""The two attention backends agree: torch paged attention against the plain reference, and
-the engine's greedy outputs with ``attention_backend="torch"`` and ``"triton"`` (run by
-Triton's interpreter on CPU) on a tiny random GQA Llama, where transformers is the third
-witness (and, with LLMSERVE_SLOW_TESTS=1, on the default model).
+"""The attention backends agree: torch paged attention (decodes through gathered tiles or
+the C++ kernel) against the plain reference, and the engine's greedy outputs with
+``attention_backend="torch"``, ``"cpp"`` and ``"triton"`` (run by Triton's interpreter on
+CPU) on a tiny random GQA Llama, where transformers is the witness (and, with
+LLMSERVE_SLOW_TESTS=1, triton against torch on the default model).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from llmserve import LLM, SamplingParams  # noqa: E402
+from llmserve.kernels import cpu as cpu_kernels  # noqa: E402
 from llmserve.kernels.reference import ref_paged_attention  # noqa: E402
 from llmserve.layers import paged_attention_torch as pat  # noqa: E402
 from llmserve.runner.attention_metadata import AttentionMetadata  # noqa: E402
@@ -49,12 +51,20 @@ BATCHES = {  # (query lengths, context lengths): decodes first, then prefill chu
 }
 
 
-@pytest.mark.parametrize(
-    "tile_bytes", [pat.TILE_BYTES_PER_THREAD, 1000], ids=["one-tile", "many-tiles"]
-)
+DECODE_PATHS = {  # how decodes attend: gathered tiles of a given byte budget, or the C++ kernel
+    "one-tile": (pat.TILE_BYTES_PER_THREAD, False),
+    "many-tiles": (1000, False),
+    "cpp": (pat.TILE_BYTES_PER_THREAD, True),
+}
+
+
+@pytest.mark.parametrize("decode_path", list(DECODE_PATHS))
 @pytest.mark.parametrize("heads", [(4, 4), (6, 2), (8, 1)], ids=["mha", "gqa", "mqa"])
 @pytest.mark.parametrize("name", list(BATCHES))
-def test_torch_paged_attention_matches_reference(name, heads, tile_bytes, monkeypatch):
+def test_torch_paged_attention_matches_reference(name, heads, decode_path, monkeypatch):
+    tile_bytes, native = DECODE_PATHS[decode_path]
+    if native:
+        assert cpu_kernels.available(), "the C++ CPU kernels failed to build (see the log)"
     monkeypatch.setattr(pat, "TILE_BYTES_PER_THREAD", tile_bytes)
     q_lens, seq_lens = BATCHES[name]
     num_heads, num_kv_heads = heads
@@ -64,10 +74,13 @@ def test_torch_paged_attention_matches_reference(name, heads, tile_bytes, monkey
     batch.k_cache.nan_to_num_(nan=1e3)
     batch.v_cache.nan_to_num_(nan=-1e3)
     meta = _meta(batch, num_decodes=sum(1 for n in q_lens if n == 1))
-    plan = pat.build_plan(meta, block_size=8)
+    plan = pat.build_plan(meta, block_size=8, native_decode=native)
+    # this step's new K/V: the last q_len positions of each sequence (already in the pool)
+    k_new = torch.cat([k[len(k) - n :] for k, n in zip(batch.keys, q_lens)])
+    v_new = torch.cat([v[len(v) - n :] for v, n in zip(batch.values, q_lens)])
     args = (batch.q, batch.k_cache, batch.v_cache)
     for _ in range(2):  # a second layer reuses the plan's tiles and buffers
-        out = pat.paged_attention_torch(*args, meta, plan, scale=0.3)
+        out = pat.paged_attention_torch(batch.q, k_new, v_new, *args[1:], meta, plan, scale=0.3)
         expected = ref_paged_attention(
             *args, batch.query_start_loc, batch.seq_lens, batch.block_tables, 0.3
         )
@@ -154,7 +167,7 @@ def tiny_llama(tmp_path_factory):
     return str(path), expected
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "cpp", "triton"])
 def test_tiny_llama_matches_transformers(tiny_llama, backend):
     # A 5-token budget splits the prompts into chunks that share steps with decodes.
     path, expected = tiny_llama

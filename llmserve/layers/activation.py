@@ -6,18 +6,22 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from llmserve.kernels import cpu as cpu_kernels
+
 
 class SiluAndMul(nn.Module):
-    """``x: [..., 2 * d] -> silu(x[..., :d]) * x[..., d:]``."""
+    """``x: [..., 2 * d] -> silu(x[..., :d]) * x[..., d:]``; ``kernels``: torch, cpp or triton."""
 
-    def __init__(self, use_triton: bool = False):
+    def __init__(self, kernels: str = "torch"):
         super().__init__()
-        self.use_triton = use_triton
+        self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.use_triton:
+        if self.kernels == "triton":
             from llmserve.kernels import silu_and_mul
 
             return silu_and_mul(x)
+        if self.kernels == "cpp" and x.dtype == torch.float32:
+            return cpu_kernels.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

@@ -47,7 +47,7 @@ class Attention(nn.Module):
         else:
             write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             assert isinstance(meta.plan, TorchAttentionPlan)
-            out = paged_attention_torch(q, k_cache, v_cache, meta, meta.plan, self.scale)
+            out = paged_attention_torch(q, k, v, k_cache, v_cache, meta, meta.plan, self.scale)
         return out.view(num_tokens, self.num_heads * self.head_dim)
 
     def _triton(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:

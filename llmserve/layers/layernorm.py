@@ -6,23 +6,33 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from llmserve.kernels import cpu as cpu_kernels
+
 
 class RMSNorm(nn.Module):
-    """``x / rms(x) * weight``; with ``residual`` it returns ``(norm(x + residual), x + residual)``."""
+    """``x / rms(x) * weight``; with ``residual`` it returns ``(norm(x + residual), x + residual)``.
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6, use_triton: bool = False):
+    ``kernels``: torch, cpp (one pass, and in place with the residual: the caller's ``x`` and
+    ``residual`` are overwritten) or triton.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, kernels: str = "torch"):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
-        self.use_triton = use_triton
+        self.kernels = kernels
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if self.use_triton:
+        if self.kernels == "triton":
             from llmserve.kernels import rms_norm
 
             return rms_norm(x, self.weight, self.eps, residual)
+        if self.kernels == "cpp" and x.dtype == torch.float32:
+            if residual is None:
+                return cpu_kernels.rms_norm(x, self.weight, self.eps)
+            return cpu_kernels.fused_add_rms_norm_(x, residual, self.weight, self.eps)
         if residual is not None:
             x = x + residual
             residual = x

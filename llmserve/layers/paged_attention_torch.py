@@ -24,11 +24,12 @@ The number of tiles is the batch's K/V bytes over the budget, not the number of 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch.nn import functional as F
 
+from llmserve.kernels import cpu as cpu_kernels
 from llmserve.runner.attention_metadata import AttentionMetadata
 
 TILE_BYTES_PER_THREAD = 2 << 20  # gathered K + V per decode tile, per thread: about one L2
@@ -50,50 +51,47 @@ class TorchAttentionPlan:
 
     block_size: int
     decode_seq_lens: list[int]  # host copy, sizes the tiles
-    decode_tables: torch.Tensor  # [num_decodes, num_blocks_d] block ids
+    decode_tables: torch.Tensor  # [num_decodes, num_blocks_d] block ids, int64
     decode_mask: torch.Tensor  # [num_decodes, 1, 1, ctx_d] bool, True = attend
-    prefill_tables: torch.Tensor  # [num_prefills, num_blocks_p]
-    prefill_mask: torch.Tensor  # [num_prefills, 1, max_q, ctx_p] bool
-    prefill_q_index: torch.Tensor  # [num_prefills, max_q] token index of each padded query
-    prefill_valid: torch.Tensor  # [num_prefills * max_q] bool, real (not padding) queries
-    prefill_is_causal: bool  # no prefill has cached context before it: SDPA's own causal mask
+    # Per prefill chunk: None when it has no cached context before it (SDPA's causal kernel
+    # on this step's K/V), else (block ids of its context, mask [q_len, ctx] bool).
+    prefills: list[tuple[torch.Tensor, torch.Tensor] | None]
+    # Decode through the C++ kernel (llmserve/kernels/cpu), which reads the pool in place:
+    native_decode: bool = False
+    decode_tables_i32: torch.Tensor | None = None  # [num_decodes, num_blocks_d] int32
+    decode_seq_lens_t: torch.Tensor | None = None  # [num_decodes] int32
     # Filled by the first layer (they depend on the KV pool's shape and dtype), then reused.
     tiles: list[DecodeTile] | None = None
     buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # gather scratch for K and V
-    grouped_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # G -> folded mask
 
 
-def build_plan(meta: AttentionMetadata, block_size: int) -> TorchAttentionPlan:
+def build_plan(
+    meta: AttentionMetadata, block_size: int, native_decode: bool = False
+) -> TorchAttentionPlan:
     device = meta.block_tables.device
     nd = meta.num_decodes
     d_ctx = max(meta.seq_lens_cpu[:nd], default=0)
     d_blocks = -(-d_ctx // block_size)
     positions = torch.arange(d_blocks * block_size, device=device)
     decode_mask = positions[None, :] < meta.seq_lens[:nd, None]  # [nd, ctx_d]
-    q_lens = meta.query_lens_cpu[nd:]
-    p_ctx = max(meta.seq_lens_cpu[nd:], default=0)
-    max_q = max(q_lens, default=0)
-    p_blocks = -(-p_ctx // block_size)
-    q_lens_t = torch.tensor(q_lens, device=device)  # [np]
-    seq_lens_p = meta.seq_lens[nd:]  # [np]
-    rows = torch.arange(max_q, device=device)  # [max_q]
-    q_pos = seq_lens_p[:, None] - q_lens_t[:, None] + rows[None, :]  # [np, max_q]
-    k_pos = torch.arange(p_blocks * block_size, device=device)  # [ctx_p]
-    valid = rows[None, :] < q_lens_t[:, None]  # [np, max_q]
-    prefill_mask = (k_pos[None, None, :] <= q_pos[:, :, None]) | ~valid[:, :, None]
-    q_index = (meta.query_start_loc[nd:-1, None] + rows[None, :]).clamp(
-        max=max(sum(meta.query_lens_cpu) - 1, 0)
-    )
+    prefills: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+    for i in range(nd, meta.num_seqs):
+        q_len, ctx = meta.query_lens_cpu[i], meta.seq_lens_cpu[i]
+        if q_len == ctx:
+            prefills.append(None)
+            continue
+        # query j sits at position ctx - q_len + j and sees keys 0..that position
+        mask = torch.ones(q_len, ctx, dtype=torch.bool, device=device).tril(ctx - q_len)
+        prefills.append((meta.block_tables[i, : -(-ctx // block_size)].long(), mask))
     return TorchAttentionPlan(
         block_size=block_size,
         decode_seq_lens=meta.seq_lens_cpu[:nd],
         decode_tables=meta.block_tables[:nd, :d_blocks].long(),  # int64: index_select's fast path
         decode_mask=decode_mask[:, None, None, :],
-        prefill_tables=meta.block_tables[nd:, :p_blocks],
-        prefill_mask=prefill_mask[:, None, :, :],
-        prefill_q_index=q_index,
-        prefill_valid=valid.reshape(-1),
-        prefill_is_causal=q_lens == meta.seq_lens_cpu[nd:],
+        prefills=prefills,
+        native_decode=native_decode,
+        decode_tables_i32=meta.block_tables[:nd, :d_blocks].contiguous(),
+        decode_seq_lens_t=meta.seq_lens[:nd],
     )
 
 
@@ -164,6 +162,17 @@ def _decode(
     out: torch.Tensor,
 ) -> None:
     """q ``[num_decodes, H, D]`` -> ``out [num_decodes, H, D]``, one tile at a time."""
+    if plan.native_decode:  # in place through the block tables, no gathered copy
+        cpu_kernels.paged_decode_attention(
+            q.contiguous(),
+            k_cache,
+            v_cache,
+            plan.decode_tables_i32,
+            plan.decode_seq_lens_t,
+            scale,
+            out,
+        )
+        return
     if plan.tiles is None:
         _prepare_decode(plan, k_cache)
     assert plan.tiles is not None and plan.buffers is not None
@@ -183,70 +192,60 @@ def _decode(
         out[rows] = o.view(tile.end - tile.start, num_heads, head_dim)
 
 
-def _grouped_sdpa(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """q ``[B, q_len, H, D]``, k/v ``[B, kvh, ctx, D]``, mask ``[B, 1, G * q_len, ctx]`` -> ``[B, q_len, H, D]``."""
-    batch, q_len, num_heads, head_dim = q.shape
-    kv_heads = k.shape[1]
-    group = num_heads // kv_heads
-    q = q.view(batch, q_len, kv_heads, group, head_dim).permute(
-        0, 2, 3, 1, 4
-    )  # [B, kvh, G, q_len, D]
-    q = q.reshape(batch, kv_heads, group * q_len, head_dim)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [B, kvh, G*q, D]
-    out = out.view(batch, kv_heads, group, q_len, head_dim).permute(0, 3, 1, 2, 4)
-    return out.reshape(batch, q_len, num_heads, head_dim)
-
-
-def _causal_prefill(
-    q_pad: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """Whole prompts, right-padded: q ``[np, max_q, H, D]``, k/v ``[np, kvh, >= max_q, D]``.
-
-    ``is_causal`` lets SDPA skip the masked half instead of computing and masking it. The
-    padding needs no mask: a padded key sits after every real query of its row, so only
-    padded queries (whose outputs are dropped) can see it.
-    """
-    max_q = q_pad.shape[1]
-    q = q_pad.transpose(1, 2)  # [np, H, max_q, D]
-    k, v = k[:, :, :max_q], v[:, :, :max_q]
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-    return out.transpose(1, 2)  # [np, max_q, H, D]
-
-
-def _grouped_mask(plan: TorchAttentionPlan, group: int) -> torch.Tensor:
-    """The prefill mask repeated for the G folded query heads: ``[np, 1, G * max_q, ctx]``."""
-    if group not in plan.grouped_masks:
-        mask = plan.prefill_mask  # [np, 1, max_q, ctx]
-        batch, _, max_q, ctx = mask.shape
-        plan.grouped_masks[group] = mask.expand(batch, group, max_q, ctx).reshape(
-            batch, 1, group * max_q, ctx
-        )
-    return plan.grouped_masks[group]
+def _prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    plan: TorchAttentionPlan,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """Each prompt chunk attends on its own, so nothing is padded to the longest chunk. A
+    chunk with no cached context before it attends over this step's K/V with SDPA's causal
+    kernel (which skips the masked half); one that continues a context (chunked prefill, a
+    prefix-cache hit) gathers its blocks and uses its own mask."""
+    start = 0
+    for i, prefill in enumerate(plan.prefills):
+        q_len = meta.query_lens_cpu[meta.num_decodes + i]
+        rows = slice(start, start + q_len)
+        start += q_len
+        qi = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
+        if prefill is None:
+            ki = k[rows].transpose(0, 1).unsqueeze(0)  # [1, kvh, q_len, D]
+            vi = v[rows].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(
+                qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True
+            )
+        else:
+            table, mask = prefill
+            ctx = mask.shape[1]
+            ki = _gather_kv(k_cache, table[None])[:, :, :ctx]  # [1, kvh, ctx, D]
+            vi = _gather_kv(v_cache, table[None])[:, :, :ctx]
+            o = F.scaled_dot_product_attention(
+                qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True
+            )
+        out[rows] = o[0].transpose(0, 1)
 
 
 def paged_attention_torch(
     q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     plan: TorchAttentionPlan,
     scale: float,
 ) -> torch.Tensor:
-    """q ``[num_tokens, H, D]`` (K/V already in the pool) -> ``[num_tokens, H, D]``."""
+    """q ``[num_tokens, H, D]``, this step's k/v ``[num_tokens, kvh, D]`` (already written to
+    the pool too) -> ``[num_tokens, H, D]``."""
     out = torch.empty_like(q)
     nd = meta.num_decodes
     if nd:
         _decode(q[:nd], k_cache, v_cache, plan, scale, out[:nd])
     if meta.num_seqs > nd:
-        k = _gather_kv(k_cache, plan.prefill_tables)
-        v = _gather_kv(v_cache, plan.prefill_tables)
-        q_pad = q[plan.prefill_q_index]  # [np, max_q, H, D]
-        if plan.prefill_is_causal:
-            o = _causal_prefill(q_pad, k, v, scale)
-        else:
-            mask = _grouped_mask(plan, q.shape[1] // k_cache.shape[2])
-            o = _grouped_sdpa(q_pad, k, v, mask, scale)  # [np, max_q, H, D]
-        out[nd:] = o.reshape(-1, *q.shape[1:])[plan.prefill_valid]
+        _prefill(q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta, plan, scale, out[nd:])
     return out

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from llmserve.kernels import cpu as cpu_kernels
+
 
 def rope_parameters(config: Any) -> dict[str, Any]:
     """Merge old-style (``rope_theta`` + ``rope_scaling``) and new-style ``rope_parameters``."""
@@ -116,12 +118,13 @@ class RotaryEmbedding(nn.Module):
         params: dict[str, Any],
         max_position: int,
         max_model_len: int,
-        use_triton: bool = False,
+        kernels: str = "torch",
     ):
         super().__init__()
         self.head_dim = head_dim
-        self.use_triton = use_triton
-        self.interleaved = not use_triton
+        self.use_triton = kernels == "triton"
+        self.use_cpp = kernels == "cpp"
+        self.interleaved = not self.use_triton
         inv_freq, scaling = compute_inv_freq(params, head_dim, max_position, max_model_len)
         t = torch.arange(max(max_position, max_model_len), dtype=torch.float64)
         freqs = torch.outer(t, inv_freq)  # [max_positions, head_dim // 2]
@@ -148,6 +151,8 @@ class RotaryEmbedding(nn.Module):
 
     def forward_interleaved(self, positions: torch.Tensor, qk: torch.Tensor) -> torch.Tensor:
         """Interleaved layout: ``qk: [T, (H + kvh) * D]`` (a view is fine) -> rotated, contiguous."""
+        if self.use_cpp and qk.dtype == torch.float32:
+            return cpu_kernels.rotary_interleaved(qk, positions, self.cis, self.head_dim)
         num_tokens = qk.shape[0]
         pairs = qk.float().view(num_tokens, -1, self.head_dim // 2, 2)  # [T, heads, D/2, 2]
         cis = torch.view_as_complex(self.cis[positions].float()).unsqueeze(1)  # [T, 1, D/2]

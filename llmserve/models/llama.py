@@ -30,13 +30,12 @@ class LlamaAttention(nn.Module):
         bias = bool(getattr(config, "attention_bias", False) or config.model_type == "qwen2")
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
-        use_triton = backend == "triton"
         self.rotary_emb = RotaryEmbedding(
             self.head_dim,
             rope_parameters(config),
             config.max_position_embeddings,
             max_model_len,
-            use_triton,
+            backend,
         )
         self.attn = Attention(
             self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, backend
@@ -62,11 +61,11 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: Any, use_triton: bool):
+    def __init__(self, config: Any, kernels: str):
         super().__init__()
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-        self.act = SiluAndMul(use_triton)
+        self.act = SiluAndMul(kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
@@ -75,11 +74,10 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: Any, max_model_len: int, backend: str):
         super().__init__()
-        use_triton = backend == "triton"
         self.self_attn = LlamaAttention(config, max_model_len, backend)
-        self.mlp = LlamaMLP(config, use_triton)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, use_triton)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, use_triton)
+        self.mlp = LlamaMLP(config, backend)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend)
 
     def forward(self, positions, x, residual, kv_cache: KVCache, meta: AttentionMetadata):
         if residual is None:
@@ -112,7 +110,7 @@ class LlamaForCausalLM(nn.Module):
             LlamaDecoderLayer(config, max_model_len, attention_backend)
             for _ in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, attention_backend == "triton")
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, attention_backend)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if self.tie_word_embeddings:

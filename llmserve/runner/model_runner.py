@@ -116,8 +116,8 @@ class ModelRunner:
             query_lens_cpu=[s.num_tokens for s in scheduled],
             seq_lens_cpu=seq_lens,
         )
-        if self.attention_backend == "torch":
-            meta.plan = build_plan(meta, bs)
+        if self.attention_backend in ("torch", "cpp"):
+            meta.plan = build_plan(meta, bs, native_decode=self.attention_backend == "cpp")
         return StepInputs(
             input_ids=self._tensor(input_ids, torch.int64),
             positions=self._tensor(positions, torch.int64),

@@ -33,14 +33,29 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def resolve_attention_backend(name: str, device: torch.device) -> str:
+def resolve_attention_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
+    """auto: Triton on CUDA; on CPU the C++ decode kernel (fp32) when it builds, else torch."""
+    from llmserve.kernels import cpu as cpu_kernels
     from llmserve.kernels import is_triton_available
 
+    native_ok = device.type == "cpu" and dtype == torch.float32
     if name == "auto":
-        return "triton" if device.type == "cuda" and is_triton_available() else "torch"
+        if device.type == "cuda" and is_triton_available():
+            return "triton"
+        return "cpp" if native_ok and cpu_kernels.available() else "torch"
     if name == "triton" and not is_triton_available():
         raise ValueError(
             "attention backend 'triton' needs triton and a CUDA GPU (or TRITON_INTERPRET=1); use --attention-backend torch"
+        )
+    if name == "cpp" and not native_ok:
+        raise ValueError(
+            f"attention backend 'cpp' runs on the CPU in float32 (got {device.type}, {dtype}); "
+            "use --attention-backend torch"
+        )
+    if name == "cpp" and not cpu_kernels.available():
+        raise ValueError(
+            "attention backend 'cpp' could not build its C++ kernel (is a C++ compiler installed? "
+            "the log says why); use --attention-backend torch"
         )
     return name
 
@@ -80,7 +95,7 @@ def create_runner(
     """Load the model, size and allocate the KV pool; returns (runner, num_blocks, kv log line)."""
     device = resolve_device(config.device.device)
     dtype = resolve_dtype(config.model.dtype, device)
-    backend = resolve_attention_backend(config.device.attention_backend, device)
+    backend = resolve_attention_backend(config.device.attention_backend, device, dtype)
     model = load_model(resolved, hf_config, config, max_model_len, dtype, device, backend)
     attn = model.layers[0].self_attn
     spec = kv_cache.KVCacheSpec(

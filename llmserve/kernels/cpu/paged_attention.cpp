@@ -1,0 +1,233 @@
+// Paged decode attention for the CPU: one query token per sequence, K/V read in place from
+// the paged pool through the block table (no gathered copy), fp32.
+//
+//   q        [num_seqs, num_heads, head_dim]
+//   k_cache  [num_blocks, block_size, num_kv_heads, head_dim]   (v_cache alike)
+//   tables   [num_seqs, max_blocks] int32, seq_lens [num_seqs] int32
+//   out      [num_seqs, num_heads, head_dim]
+//
+// A work item is one sequence, or one chunk of its blocks when there are too few sequences to
+// keep every thread busy (split-K, as flash-decoding does on a GPU). An item walks its tokens
+// in order and reads each token's whole K row [kv_heads, head_dim] (one contiguous stretch of a
+// block), computing the dot products of all query heads against it; query head h uses KV head
+// h / (num_heads / num_kv_heads). Per item:
+//   pass 1  s[h][t] = scale * q_h . k_t            (reads K once, sequentially)
+//   pass 2  m_h = max_t s[h][t],  p[h][t] = exp(s[h][t] - m_h),  l_h = sum_t p[h][t]
+//   pass 3  acc_h = sum_t p[h][t] v_t              (reads V once, sequentially)
+// One chunk: out_h = acc_h / l_h. Several: each writes (m, l, acc) and a reduction rescales
+// them to the common maximum M:  out_h = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c.
+// Items are spread over torch's intra-op threads with at::parallel_for.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define LLMSERVE_AVX2 1
+#endif
+
+namespace {
+
+// sum over d of a[d] * b[d]
+inline float dot(const float* a, const float* b, int64_t n) {
+  int64_t d = 0;
+  float sum = 0.f;
+#ifdef LLMSERVE_AVX2
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  for (; d + 16 <= n; d += 16) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), _mm256_loadu_ps(b + d + 8), acc1);
+  }
+  for (; d + 8 <= n; d += 8) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc0);
+  }
+  __m256 acc = _mm256_add_ps(acc0, acc1);
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  s = _mm_hadd_ps(s, s);
+  s = _mm_hadd_ps(s, s);
+  sum = _mm_cvtss_f32(s);
+#endif
+  for (; d < n; ++d) sum += a[d] * b[d];
+  return sum;
+}
+
+// acc[d] += w * x[d]
+inline void axpy(float* acc, float w, const float* x, int64_t n) {
+  int64_t d = 0;
+#ifdef LLMSERVE_AVX2
+  const __m256 wv = _mm256_set1_ps(w);
+  for (; d + 8 <= n; d += 8) {
+    _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + d), _mm256_loadu_ps(acc + d)));
+  }
+#endif
+  for (; d < n; ++d) acc[d] += w * x[d];
+}
+
+struct Shape {
+  int64_t num_heads, head_dim, block_size, kv_heads, group, row;  // row = kv_heads * head_dim
+};
+
+// Attend query rows q [num_heads, head_dim] over tokens [t0, t1) of one sequence.
+// Leaves acc [num_heads, head_dim] (unnormalised), m and l [num_heads].
+void attend_chunk(const Shape& sh, const float* q, const float* k_cache, const float* v_cache,
+                  const int32_t* table, int64_t t0, int64_t t1, float scale,
+                  std::vector<float>& scores, float* acc, float* m, float* l) {
+  const int64_t n = t1 - t0, H = sh.num_heads, D = sh.head_dim;
+  scores.resize(H * n);
+  // pass 1: token by token, the whole K row against every query head
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t slot = static_cast<int64_t>(table[t / sh.block_size]) * sh.block_size + t % sh.block_size;
+    const float* row = k_cache + slot * sh.row;
+    for (int64_t h = 0; h < H; ++h) {
+      scores[h * n + (t - t0)] = scale * dot(q + h * D, row + (h / sh.group) * D, D);
+    }
+  }
+  // pass 2: softmax numerators, row maxima and sums
+  for (int64_t h = 0; h < H; ++h) {
+    float* s = scores.data() + h * n;
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t i = 0; i < n; ++i) mx = std::max(mx, s[i]);
+    float sum = 0.f;
+    for (int64_t i = 0; i < n; ++i) {
+      s[i] = std::exp(s[i] - mx);
+      sum += s[i];
+    }
+    m[h] = mx;
+    l[h] = sum;
+  }
+  // pass 3: weighted sum of the V rows
+  std::fill(acc, acc + H * D, 0.f);
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t slot = static_cast<int64_t>(table[t / sh.block_size]) * sh.block_size + t % sh.block_size;
+    const float* row = v_cache + slot * sh.row;
+    for (int64_t h = 0; h < H; ++h) {
+      axpy(acc + h * D, scores[h * n + (t - t0)], row + (h / sh.group) * D, D);
+    }
+  }
+}
+
+void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& block_tables,
+                            const at::Tensor& seq_lens, double scale, at::Tensor& out) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
+                  v_cache.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
+              "paged_decode_attention (CPU) takes float32 tensors");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
+              "block_tables and seq_lens must be int32");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  out.is_contiguous() && block_tables.is_contiguous() && seq_lens.is_contiguous(),
+              "paged_decode_attention (CPU) takes contiguous tensors");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && block_tables.dim() == 2 && out.sizes() == q.sizes(),
+              "expected q and out [seqs, heads, dim], cache [blocks, block_size, kv_heads, dim]");
+  Shape sh;
+  sh.num_heads = q.size(1);
+  sh.head_dim = q.size(2);
+  sh.block_size = k_cache.size(1);
+  sh.kv_heads = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == sh.head_dim && sh.num_heads % sh.kv_heads == 0,
+              "head_dim or head counts of q and the cache disagree");
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "k_cache and v_cache shapes differ");
+  sh.group = sh.num_heads / sh.kv_heads;
+  sh.row = sh.kv_heads * sh.head_dim;
+  const int64_t num_seqs = q.size(0), max_blocks = block_tables.size(1);
+  const int64_t H = sh.num_heads, D = sh.head_dim;
+
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k_cache.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  float* op = out.data_ptr<float>();
+  const float fscale = static_cast<float>(scale);
+
+  int64_t longest = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    TORCH_CHECK(lens[s] > 0 && lens[s] <= max_blocks * sh.block_size, "seq_lens[", s, "] = ", lens[s],
+                " is outside 1..", max_blocks * sh.block_size, " (the block table's capacity)");
+    longest = std::max<int64_t>(longest, lens[s]);
+  }
+  if (num_seqs == 0) return;
+
+  // Split-K only when the sequences alone cannot give every thread a few items.
+  const int64_t threads = at::get_num_threads();
+  int64_t chunks = 1;
+  if (num_seqs < 4 * threads) {
+    const int64_t want = (4 * threads + num_seqs - 1) / num_seqs;
+    const int64_t longest_blocks = (longest + sh.block_size - 1) / sh.block_size;
+    chunks = std::max<int64_t>(1, std::min(want, longest_blocks / 4));  // >= 4 blocks a chunk
+  }
+
+  if (chunks == 1) {
+    at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores, m(H), l(H);
+      for (int64_t s = begin; s < end; ++s) {
+        float* o = op + s * H * D;
+        attend_chunk(sh, qp + s * H * D, kp, vp, tables + s * max_blocks, 0, lens[s], fscale,
+                     scores, o, m.data(), l.data());
+        for (int64_t h = 0; h < H; ++h) {
+          const float inv = 1.f / l[h];
+          for (int64_t d = 0; d < D; ++d) o[h * D + d] *= inv;
+        }
+      }
+    });
+    return;
+  }
+
+  // split-K: chunk c of sequence s covers whole blocks [c * per, (c + 1) * per) of its table
+  std::vector<float> part_acc(num_seqs * chunks * H * D), part_m(num_seqs * chunks * H),
+      part_l(num_seqs * chunks * H);
+  at::parallel_for(0, num_seqs * chunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t s = item / chunks, c = item % chunks;
+      const int64_t blocks = (lens[s] + sh.block_size - 1) / sh.block_size;
+      const int64_t per = (blocks + chunks - 1) / chunks;
+      const int64_t t0 = std::min<int64_t>(c * per * sh.block_size, lens[s]);
+      const int64_t t1 = std::min<int64_t>((c + 1) * per * sh.block_size, lens[s]);
+      float* m = part_m.data() + item * H;
+      float* l = part_l.data() + item * H;
+      if (t0 >= t1) {  // a short sequence has fewer chunks than the longest
+        std::fill(m, m + H, -std::numeric_limits<float>::infinity());
+        std::fill(l, l + H, 0.f);
+        continue;
+      }
+      attend_chunk(sh, qp + s * H * D, kp, vp, tables + s * max_blocks, t0, t1, fscale, scores,
+                   part_acc.data() + item * H * D, m, l);
+    }
+  });
+  at::parallel_for(0, num_seqs * H, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t sh_item = begin; sh_item < end; ++sh_item) {
+      const int64_t s = sh_item / H, h = sh_item % H;
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int64_t c = 0; c < chunks; ++c) mx = std::max(mx, part_m[(s * chunks + c) * H + h]);
+      float* o = op + (s * H + h) * D;
+      std::fill(o, o + D, 0.f);
+      float total = 0.f;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t item = s * chunks + c;
+        const float l = part_l[item * H + h];
+        if (l == 0.f) continue;
+        const float w = std::exp(part_m[item * H + h] - mx);
+        total += w * l;
+        axpy(o, w, part_acc.data() + (item * H + h) * D, D);
+      }
+      const float inv = 1.f / total;
+      for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(llmserve_cpu, m) {
+  m.def(
+      "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+      "Tensor seq_lens, float scale, Tensor(a!) out) -> ()");
+  m.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);
+}

@@ -1,0 +1,111 @@
+"""The C++ CPU kernels (llmserve/kernels/cpu) against plain torch.
+
+They are built on first use; on a machine with a C++ compiler a failed build is a failure
+here, not a skip (the engine would silently fall back to the slower torch path).
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from kernel_testing import make_paged_batch, tolerance
+from torch.nn import functional as F
+
+from llmserve.kernels import cpu as cpu_kernels
+from llmserve.kernels.reference import ref_paged_attention
+from llmserve.layers.rotary import RotaryEmbedding
+
+pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _built():
+    assert cpu_kernels.available(), "the C++ CPU kernels failed to build (see the log)"
+
+
+# (head_dim, block_size, num_heads, num_kv_heads, seq_lens): lengths off block boundaries;
+# a few long sequences take the split-K path (fewer sequences than 4 x threads), many short
+# ones the one-item-per-sequence path.
+DECODE_CASES = {
+    "hd64-bs16-gqa3": (64, 16, 9, 3, [1, 17, 70, 203]),
+    "hd80-bs8-gqa1": (80, 8, 4, 4, [9, 130, 5]),
+    "hd128-bs32-gqa8": (128, 32, 16, 2, [33, 64, 300]),
+    "hd64-bs16-mqa-split": (64, 16, 8, 1, [1000]),
+    "many-seqs": (64, 8, 6, 2, [(7 * i) % 61 + 1 for i in range(40)]),
+}
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("case", DECODE_CASES.values(), ids=DECODE_CASES.keys())
+def test_paged_decode_matches_reference(case, threads):
+    head_dim, block_size, num_heads, num_kv_heads, seq_lens = case
+    # Unowned pool slots are NaN: the kernel must read only each sequence's own positions.
+    batch = make_paged_batch(
+        [1] * len(seq_lens), seq_lens, num_heads, num_kv_heads, head_dim, block_size
+    )
+    scale = head_dim**-0.5
+    args = (batch.q, batch.k_cache, batch.v_cache)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = cpu_kernels.paged_decode_attention(*args, batch.block_tables, batch.seq_lens, scale)
+    finally:
+        torch.set_num_threads(old)
+    ref = ref_paged_attention(
+        *args, batch.query_start_loc, batch.seq_lens, batch.block_tables, scale
+    )
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, ref, **tolerance(torch.float32))
+
+
+def test_paged_decode_rejects_bad_input():
+    batch = make_paged_batch([1, 1], [5, 20], 4, 2, 64, 8)
+    args = (batch.q, batch.k_cache, batch.v_cache, batch.block_tables)
+    too_long = torch.tensor([5, 999], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match=r"seq_lens\[1\] = 999 is outside 1..24"):
+        cpu_kernels.paged_decode_attention(*args, too_long, 0.125)
+    with pytest.raises(RuntimeError, match="float32"):
+        cpu_kernels.paged_decode_attention(
+            batch.q.half(), batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, 0.1
+        )
+
+
+@pytest.mark.parametrize("width", [576, 100, 7])  # 8-lane body, and the scalar tail
+def test_rms_norm_and_fused_residual(width):
+    x = torch.randn(37, width) * 3
+    residual = torch.randn(37, width)
+    weight = torch.randn(width)
+    expected = F.rms_norm(x, (width,), weight, 1e-5)
+    torch.testing.assert_close(cpu_kernels.rms_norm(x, weight, 1e-5), expected)
+    summed = x + residual
+    x_in, res_in = x.clone(), residual.clone()
+    out, res_out = cpu_kernels.fused_add_rms_norm_(x_in, res_in, weight, 1e-5)
+    assert out.data_ptr() == x_in.data_ptr() and res_out.data_ptr() == res_in.data_ptr()
+    torch.testing.assert_close(res_out, summed)
+    torch.testing.assert_close(out, F.rms_norm(summed, (width,), weight, 1e-5))
+
+
+@pytest.mark.parametrize("width", [1536, 12])
+def test_silu_and_mul(width):
+    x = torch.randn(50, 2 * width) * 6
+    x[0, :4] = torch.tensor([-100.0, 100.0, -88.5, 0.0])  # exp's clamped range and zero
+    out = cpu_kernels.silu_and_mul(x)
+    expected = F.silu(x[:, :width]) * x[:, width:]
+    assert out.shape == (50, width)
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_rotary_interleaved_matches_torch_path():
+    head_dim, heads = 64, 12
+    torch_rope = RotaryEmbedding(
+        head_dim, {"rope_theta": 10000.0, "rope_type": "default"}, 512, 512, kernels="torch"
+    )
+    qkv = torch.randn(20, (heads + 3) * head_dim)  # rotate the first 12 heads: a strided view
+    qk = qkv[:, : heads * head_dim]
+    positions = torch.randint(0, 512, (20,))
+    out = cpu_kernels.rotary_interleaved(qk, positions, torch_rope.cis, head_dim)
+    torch.testing.assert_close(out, torch_rope.forward_interleaved(positions, qk))
+    with pytest.raises(RuntimeError, match="position 600 outside 0..511"):
+        cpu_kernels.rotary_interleaved(qk, torch.full((20,), 600), torch_rope.cis, head_dim)
