@@ -22,5 +22,6 @@ def test_cpu_mode_writes_json(tmp_path, capsys):
         assert 0 < step["attention_share"] < 1 and 0 < step["matmul_share"] < 1
     for row in paged:
         assert row["batch"] == 2 and row["paged_ms"] > 0 and row["contiguous_sdpa_ms"] > 0
-        assert row["max_abs_diff"] < 1e-4  # both paths attend over the same K/V
-    assert "paged (torch) vs SDPA" in capsys.readouterr().out
+        assert row["paged_path"] == "cpp" and row["paged_cpp_ms"] == row["paged_ms"]
+        assert row["max_abs_diff"] < 1e-4  # every path attends over the same K/V
+    assert "paged (C++ kernel; torch gathered tiles) vs SDPA" in capsys.readouterr().out

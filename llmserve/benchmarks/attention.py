@@ -5,7 +5,8 @@ CPU (always):
   step    one decode step of the model at batch B and context C: time in attention (KV write,
           paged attention and its per-step plan), in matmuls (nn.Linear projections and the
           LM head) and in everything else (norms, rotary, activation, embedding, adds)
-  paged   paged decode attention (torch backend) vs SDPA over the same K/V stored contiguously
+  paged   paged decode attention vs SDPA over the same K/V stored contiguously: the C++
+          kernel (backend cpp, reads blocks in place) and the torch path (gathered tiles)
 GPU (when CUDA is available; ``--skip-gpu`` to leave out):
   flash   FlashAttention prefill (Triton) vs materialized attention vs torch SDPA, N tokens
   decode  paged decode attention (Triton): K/V bytes read per second vs the HBM peak
@@ -29,10 +30,12 @@ import torch
 from torch.nn import functional as F
 
 from llmserve.benchmarks.report import format_table, machine_info, write_json
+from llmserve.kernels import cpu as cpu_kernels
 from llmserve.layers.attention import Attention
 from llmserve.layers.cpu_linear import PackedLinear
 from llmserve.layers.paged_attention_torch import build_plan, paged_attention_torch
 from llmserve.runner.attention_metadata import AttentionMetadata
+from llmserve.runner.worker import resolve_attention_backend
 
 LINEAR_TYPES = (torch.nn.Linear, PackedLinear)  # PackedLinear: oneDNN-packed fp32 on CPU
 
@@ -175,8 +178,8 @@ def step_breakdown(model, batch: int, context: int, repeats: int, block_size: in
         timer.reset()
         start = time.perf_counter()
         with torch.inference_mode():
-            if attn.attn.backend == "torch":
-                meta.plan = build_plan(meta, block_size)
+            if attn.attn.backend in ("torch", "cpp"):
+                meta.plan = build_plan(meta, block_size, native_decode=attn.attn.backend == "cpp")
                 timer.add("attention", time.perf_counter() - start)
             hidden = model(input_ids, positions, kv_caches, meta)
             logits_start, hooked = time.perf_counter(), timer.totals["matmul"]
@@ -207,8 +210,10 @@ def step_breakdown(model, batch: int, context: int, repeats: int, block_size: in
 def paged_vs_contiguous(
     batch: int, context: int, num_heads: int, num_kv_heads: int, head_dim: int, repeats: int
 ) -> dict:
-    """One layer's decode attention: torch paged (blocks shuffled over the pool) vs SDPA on
-    the same K/V laid out contiguously per sequence, ``[batch, kv_heads, context, head_dim]``."""
+    """One layer's decode attention over blocks shuffled across the pool, by the C++ kernel
+    (when it builds) and by the torch path, vs SDPA on the same K/V laid out contiguously per
+    sequence, ``[batch, kv_heads, context, head_dim]``. ``paged_ms`` is the engine's path on
+    this machine (C++ when available)."""
     device, block_size, scale = torch.device("cpu"), 16, head_dim**-0.5
     (k_cache, v_cache), meta = decode_batch(
         batch, context, block_size, num_kv_heads, head_dim, torch.float32, device
@@ -218,57 +223,72 @@ def paged_vs_contiguous(
     k = k_cache[tables].flatten(1, 2)[:, :context].transpose(1, 2).contiguous()  # [B, kvh, C, D]
     v = v_cache[tables].flatten(1, 2)[:, :context].transpose(1, 2).contiguous()
     q_grouped = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, kvh, G, D]
-    plan = build_plan(meta, block_size)
+    new_kv = torch.empty(batch, num_kv_heads, head_dim)  # read by prefills only
+    plans = {"torch": build_plan(meta, block_size)}
+    if cpu_kernels.available():
+        plans["cpp"] = build_plan(meta, block_size, native_decode=True)
 
-    def paged() -> torch.Tensor:
-        return paged_attention_torch(q, k_cache, v_cache, meta, plan, scale)
+    def paged(path: str) -> Callable[[], torch.Tensor]:
+        plan = plans[path]
+        return lambda: paged_attention_torch(q, new_kv, new_kv, k_cache, v_cache, meta, plan, scale)
 
     def contiguous() -> torch.Tensor:
         return F.scaled_dot_product_attention(q_grouped, k, v, scale=scale)
 
-    max_diff = (paged() - contiguous().reshape(q.shape)).abs().max().item()
-    times = interleaved_ms({"paged": paged, "contiguous": contiguous}, repeats, device)
-    paged_ms, contiguous_ms = (statistics.median(times[n]) for n in ("paged", "contiguous"))
+    reference = contiguous().reshape(q.shape)
+    max_diff = max((paged(p)() - reference).abs().max().item() for p in plans)
+    fns = {f"paged_{p}": paged(p) for p in plans} | {"contiguous": contiguous}
+    times = interleaved_ms(fns, repeats, device)
+    med = {name: statistics.median(t) for name, t in times.items()}
+    engine_path = "paged_cpp" if "cpp" in plans else "paged_torch"
     plan_ms = time_ms(lambda: build_plan(meta, block_size), repeats, device)
     kv_bytes = 2 * k.numel() * k.element_size()
     return {
         "batch": batch,
         "context": context,
-        "paged_ms": paged_ms,
-        "contiguous_sdpa_ms": contiguous_ms,
-        "ratio": paged_ms / contiguous_ms,
-        "paged_min_ms": min(times["paged"]),
+        "paged_path": engine_path.removeprefix("paged_"),
+        "paged_ms": med[engine_path],
+        "paged_torch_ms": med["paged_torch"],
+        "paged_cpp_ms": med.get("paged_cpp"),
+        "contiguous_sdpa_ms": med["contiguous"],
+        "ratio": med[engine_path] / med["contiguous"],
+        "ratio_torch": med["paged_torch"] / med["contiguous"],
+        "paged_min_ms": min(times[engine_path]),
         "contiguous_sdpa_min_ms": min(times["contiguous"]),
-        "ratio_of_min": min(times["paged"]) / min(times["contiguous"]),
+        "ratio_of_min": min(times[engine_path]) / min(times["contiguous"]),
         "plan_ms_per_step": plan_ms,
         "kv_mib": kv_bytes / 2**20,
-        "paged_gbs": kv_bytes / paged_ms / 1e6,
+        "paged_gbs": kv_bytes / med[engine_path] / 1e6,
         "max_abs_diff": max_diff,
     }
 
 
 # ---- driver ---------------------------------------------------------------------------------
 def run_cpu(args: argparse.Namespace) -> dict:
-    model, hf_config = load_model(args.model, args.load_format, torch.device("cpu"), "torch")
+    backend = resolve_attention_backend("auto", torch.device("cpu"), torch.float32)
+    model, hf_config = load_model(args.model, args.load_format, torch.device("cpu"), backend)
     steps = [step_breakdown(model, args.batch, c, args.repeats) for c in args.contexts]
     attn = model.layers[0].self_attn
     shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
     paged = [paged_vs_contiguous(args.batch, c, *shape, args.repeats) for c in args.contexts]
-    return {"model": args.model or "default (SmolLM2-135M)", "threads": torch.get_num_threads(),
+    return {"model": args.model or "default (SmolLM2-135M)", "threads": torch.get_num_threads(), "backend": backend,
             "heads_kv_heads_head_dim": shape, "step": steps, "paged_vs_contiguous": paged}  # fmt: skip
 
 
 def print_report(report: dict) -> None:
     cpu = report["cpu"]
     print(
-        f"\nCPU decode step, batch {cpu['step'][0]['batch']}, {cpu['model']}, {cpu['threads']} threads"
+        f"\nCPU decode step, batch {cpu['step'][0]['batch']}, {cpu['model']}, {cpu['threads']} threads, "
+        f"attention backend {cpu.get('backend', 'torch')}"
     )
     cols = ("context", "step_ms", "step_min_ms", "attention_ms", "matmul_ms", "other_ms", "attention_share",
             "matmul_share", "other_share")  # fmt: skip
     print(format_table(cols, [[r[c] for c in cols] for r in cpu["step"]]))
-    print("\nCPU decode attention, one layer: paged (torch) vs SDPA on contiguous K/V")
-    cols = ("context", "paged_ms", "contiguous_sdpa_ms", "ratio", "ratio_of_min",
-            "plan_ms_per_step", "kv_mib", "paged_gbs", "max_abs_diff")  # fmt: skip
+    print(
+        "\nCPU decode attention, one layer: paged (C++ kernel; torch gathered tiles) vs SDPA on contiguous K/V"
+    )
+    cols = ("context", "paged_path", "paged_ms", "paged_torch_ms", "contiguous_sdpa_ms", "ratio",
+            "ratio_torch", "ratio_of_min", "kv_mib", "paged_gbs", "max_abs_diff")  # fmt: skip
     print(format_table(cols, [[r[c] for c in cols] for r in cpu["paged_vs_contiguous"]]))
     if report.get("gpu"):
         from llmserve.benchmarks.attention_gpu import print_gpu
