@@ -69,6 +69,13 @@ def available() -> bool:
     return _state["ok"]
 
 
+def _ops():
+    """The registered ops, building them first if needed."""
+    if not available():
+        raise RuntimeError("the C++ CPU kernels are not built (the log says why)")
+    return torch.ops.llmserve_cpu
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -80,11 +87,9 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """q ``[n, H, D]`` fp32, caches ``[blocks, block_size, kvh, D]``, ``block_tables [n, >=
     ceil(len / block_size)]`` int32, ``seq_lens [n]`` int32 -> ``[n, H, D]``."""
-    if not available():
-        raise RuntimeError("the C++ CPU kernels are not built (see the log for why)")
     if out is None:
         out = torch.empty_like(q)
-    torch.ops.llmserve_cpu.paged_decode_attention(
+    _ops().paged_decode_attention(
         q, k_cache, v_cache, block_tables, seq_lens, scale, out
     )
     return out
@@ -92,20 +97,20 @@ def paged_decode_attention(
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``x / sqrt(mean(x^2) + eps) * weight`` over the last dimension."""
-    return torch.ops.llmserve_cpu.rms_norm(x, weight, eps)
+    return _ops().rms_norm(x, weight, eps)
 
 
 def fused_add_rms_norm_(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """In place: ``residual += x``, then ``x = rms_norm(residual)``; returns ``(x, residual)``."""
-    torch.ops.llmserve_cpu.fused_add_rms_norm_(x, residual, weight, eps)
+    _ops().fused_add_rms_norm_(x, residual, weight, eps)
     return x, residual
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``[..., 2d] -> silu(x[..., :d]) * x[..., d:]``."""
-    return torch.ops.llmserve_cpu.silu_and_mul(x)
+    return _ops().silu_and_mul(x)
 
 
 def rotary_interleaved(
@@ -113,4 +118,4 @@ def rotary_interleaved(
 ) -> torch.Tensor:
     """``x: [T, heads * D]`` (rows may be strided), pairs ``(x[2i], x[2i+1])`` of each head
     rotated by ``cis[position]`` (``[max_pos, D/2, 2]`` cos/sin) -> a new contiguous tensor."""
-    return torch.ops.llmserve_cpu.rotary_interleaved(x, positions, cis, head_dim)
+    return _ops().rotary_interleaved(x, positions, cis, head_dim)
