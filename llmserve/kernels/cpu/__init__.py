@@ -16,6 +16,7 @@ path.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -28,8 +29,16 @@ import torch
 logger = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "fused.cpp")]
+_HEADERS = [Path(__file__).with_name("vec.h")]
 _lock = threading.Lock()
 _state: dict[str, bool] = {}
+
+
+def _headers_hash() -> str:
+    """torch rebuilds when a source or a flag changes; the headers' hash, passed as a flag,
+    makes a header change count too."""
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in _HEADERS)).hexdigest()
+    return digest[:16]
 
 
 def _build() -> bool:
@@ -46,7 +55,7 @@ def _build() -> bool:
         sources=[str(p) for p in _SOURCES],
         # -fopenmp: at::parallel_for is an OpenMP region compiled into this library; the
         # process already has torch's libgomp loaded, which the library then shares.
-        extra_cflags=["-O3", "-march=native", "-fopenmp"],
+        extra_cflags=["-O3", "-march=native", "-fopenmp", f"-DLLMSERVE_HEADERS={_headers_hash()}"],
         extra_ldflags=["-fopenmp"],
         is_python_module=False,
         verbose=False,

@@ -27,10 +27,7 @@
 #include <limits>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define LLMSERVE_AVX2 1
-#endif
+#include "vec.h"
 
 namespace {
 
@@ -47,11 +44,7 @@ inline float dot(const float* a, const float* b, int64_t n) {
   for (; d + 8 <= n; d += 8) {
     acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc0);
   }
-  __m256 acc = _mm256_add_ps(acc0, acc1);
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-  s = _mm_hadd_ps(s, s);
-  s = _mm_hadd_ps(s, s);
-  sum = _mm_cvtss_f32(s);
+  sum = hsum8(_mm256_add_ps(acc0, acc1));
 #endif
   for (; d < n; ++d) sum += a[d] * b[d];
   return sum;
@@ -94,7 +87,18 @@ void attend_chunk(const Shape& sh, const float* q, const float* k_cache, const f
     float mx = -std::numeric_limits<float>::infinity();
     for (int64_t i = 0; i < n; ++i) mx = std::max(mx, s[i]);
     float sum = 0.f;
-    for (int64_t i = 0; i < n; ++i) {
+    int64_t i = 0;
+#ifdef LLMSERVE_AVX2
+    const __m256 mv = _mm256_set1_ps(mx);
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), mv));
+      _mm256_storeu_ps(s + i, e);
+      acc = _mm256_add_ps(acc, e);
+    }
+    sum = hsum8(acc);
+#endif
+    for (; i < n; ++i) {
       s[i] = std::exp(s[i] - mx);
       sum += s[i];
     }
