@@ -7,13 +7,12 @@
 //   out      [num_seqs, num_heads, head_dim]
 //
 // A work item is one sequence, or one chunk of its blocks when there are too few sequences to
-// keep every thread busy (split-K, as flash-decoding does on a GPU). An item walks its tokens
-// in order and reads each token's whole K row [kv_heads, head_dim] (one contiguous stretch of a
-// block), computing the dot products of all query heads against it; query head h uses KV head
-// h / (num_heads / num_kv_heads). Per item:
-//   pass 1  s[h][t] = scale * q_h . k_t            (reads K once, sequentially)
-//   pass 2  m_h = max_t s[h][t],  p[h][t] = exp(s[h][t] - m_h),  l_h = sum_t p[h][t]
-//   pass 3  acc_h = sum_t p[h][t] v_t              (reads V once, sequentially)
+// keep every thread busy (split-K, as flash-decoding does on a GPU). An item walks its blocks
+// in order (FlashAttention's online softmax, one block at a time); query head h uses KV head
+// h / (num_heads / num_kv_heads), so each K/V block is read from memory once for all heads:
+//   s[h][i] = scale * q_h . k_i          the block's scores (i < block_size)
+//   m_h' = max(m_h, max_i s[h][i]),  l_h = l_h e^(m_h - m_h') + sum_i e^(s[h][i] - m_h')
+//   acc_h = acc_h e^(m_h - m_h') + sum_i e^(s[h][i] - m_h') v_i
 // One chunk: out_h = acc_h / l_h. Several: each writes (m, l, acc) and a reduction rescales
 // them to the common maximum M:  out_h = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c.
 // Items are spread over torch's intra-op threads with at::parallel_for.
@@ -66,52 +65,93 @@ struct Shape {
   int64_t num_heads, head_dim, block_size, kv_heads, group, row;  // row = kv_heads * head_dim
 };
 
-// Attend query rows q [num_heads, head_dim] over tokens [t0, t1) of one sequence.
-// Leaves acc [num_heads, head_dim] (unnormalised), m and l [num_heads].
+// out[i] = scale * q . k_i for n key rows k_i = k + i * stride. Four rows at a time: their
+// dot products accumulate in four vectors, summed across lanes together at the end.
+inline void dots(const float* q, const float* k, int64_t stride, int64_t n, int64_t D, float scale,
+                 float* out) {
+  int64_t i = 0;
+#ifdef LLMSERVE_AVX2
+  if (D % 8 == 0) {
+    const __m128 sv = _mm_set1_ps(scale);
+    for (; i + 4 <= n; i += 4) {
+      const float* k0 = k + i * stride;
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int64_t d = 0; d < D; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + d);
+        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + d), a0);
+        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + stride + d), a1);
+        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 2 * stride + d), a2);
+        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 3 * stride + d), a3);
+      }
+      // hadd twice: lane j of the low half holds row j's sum of lanes 0-3, high half lanes 4-7
+      const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+      const __m128 r = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+      _mm_storeu_ps(out + i, _mm_mul_ps(r, sv));
+    }
+  }
+#endif
+  for (; i < n; ++i) out[i] = scale * dot(q, k + i * stride, D);
+}
+
+// s[i] = exp(s[i] - mx) for i < n; returns their sum
+inline float exp_and_sum(float* s, int64_t n, float mx) {
+  float sum = 0.f;
+  int64_t i = 0;
+#ifdef LLMSERVE_AVX2
+  const __m256 mv = _mm256_set1_ps(mx);
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), mv));
+    _mm256_storeu_ps(s + i, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  sum = hsum8(acc);
+#endif
+  for (; i < n; ++i) {
+    s[i] = std::exp(s[i] - mx);
+    sum += s[i];
+  }
+  return sum;
+}
+
+// Attend query rows q [num_heads, head_dim] over tokens [t0, t1) of one sequence (t0 on a
+// block boundary), one block at a time with an online softmax: the block's scores, then
+// running maxima m and sums l updated (acc rescaled when the maximum grows), then the block's
+// V rows added in. K and V of a block are read right after each other, and the scores never
+// leave L1. Leaves acc [num_heads, head_dim] (unnormalised), m and l [num_heads].
 void attend_chunk(const Shape& sh, const float* q, const float* k_cache, const float* v_cache,
                   const int32_t* table, int64_t t0, int64_t t1, float scale,
                   std::vector<float>& scores, float* acc, float* m, float* l) {
-  const int64_t n = t1 - t0, H = sh.num_heads, D = sh.head_dim;
-  scores.resize(H * n);
-  // pass 1: token by token, the whole K row against every query head
-  for (int64_t t = t0; t < t1; ++t) {
-    const int64_t slot = static_cast<int64_t>(table[t / sh.block_size]) * sh.block_size + t % sh.block_size;
-    const float* row = k_cache + slot * sh.row;
-    for (int64_t h = 0; h < H; ++h) {
-      scores[h * n + (t - t0)] = scale * dot(q + h * D, row + (h / sh.group) * D, D);
-    }
-  }
-  // pass 2: softmax numerators, row maxima and sums
-  for (int64_t h = 0; h < H; ++h) {
-    float* s = scores.data() + h * n;
-    float mx = -std::numeric_limits<float>::infinity();
-    for (int64_t i = 0; i < n; ++i) mx = std::max(mx, s[i]);
-    float sum = 0.f;
-    int64_t i = 0;
-#ifdef LLMSERVE_AVX2
-    const __m256 mv = _mm256_set1_ps(mx);
-    __m256 acc = _mm256_setzero_ps();
-    for (; i + 8 <= n; i += 8) {
-      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), mv));
-      _mm256_storeu_ps(s + i, e);
-      acc = _mm256_add_ps(acc, e);
-    }
-    sum = hsum8(acc);
-#endif
-    for (; i < n; ++i) {
-      s[i] = std::exp(s[i] - mx);
-      sum += s[i];
-    }
-    m[h] = mx;
-    l[h] = sum;
-  }
-  // pass 3: weighted sum of the V rows
+  const int64_t H = sh.num_heads, D = sh.head_dim, bs = sh.block_size;
+  scores.resize(H * bs);
   std::fill(acc, acc + H * D, 0.f);
-  for (int64_t t = t0; t < t1; ++t) {
-    const int64_t slot = static_cast<int64_t>(table[t / sh.block_size]) * sh.block_size + t % sh.block_size;
-    const float* row = v_cache + slot * sh.row;
+  std::fill(m, m + H, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + H, 0.f);
+  for (int64_t b0 = t0; b0 < t1; b0 += bs) {
+    const int64_t n = std::min(bs, t1 - b0);
+    const int64_t block = table[b0 / bs];
+    const float* kb = k_cache + block * bs * sh.row;  // token i of the block: kb + i * row
+    const float* vb = v_cache + block * bs * sh.row;
     for (int64_t h = 0; h < H; ++h) {
-      axpy(acc + h * D, scores[h * n + (t - t0)], row + (h / sh.group) * D, D);
+      dots(q + h * D, kb + (h / sh.group) * D, sh.row, n, D, scale, scores.data() + h * bs);
+    }
+    for (int64_t h = 0; h < H; ++h) {
+      float* s = scores.data() + h * bs;
+      float mx = m[h];
+      for (int64_t i = 0; i < n; ++i) mx = std::max(mx, s[i]);
+      const float correction = std::exp(m[h] - mx);  // 0 on the first block (m = -inf)
+      l[h] = l[h] * correction + exp_and_sum(s, n, mx);
+      if (correction != 1.f) {
+        float* a = acc + h * D;
+        for (int64_t d = 0; d < D; ++d) a[d] *= correction;
+      }
+      m[h] = mx;
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      const float* row = vb + i * sh.row;
+      for (int64_t h = 0; h < H; ++h) {
+        axpy(acc + h * D, scores[h * bs + i], row + (h / sh.group) * D, D);
+      }
     }
   }
 }
