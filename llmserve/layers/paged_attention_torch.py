@@ -1,25 +1,28 @@
-"""Paged attention in plain torch: vectorized over sequences, for CPU (and as a fallback).
+"""Paged attention for the ``torch`` and ``cpp`` backends (CPU, and a fallback anywhere).
 
-Each path gathers the sequences' K/V out of the pool through their block tables and runs
-``scaled_dot_product_attention`` over the padded batch. Grouped-query attention needs no
-copy of K/V per query head: the ``G = num_heads // num_kv_heads`` query heads of a group are
-folded into the query-length axis (query head h reads KV head h // G),
+Decode (one query per sequence) is memory-bound: it reads every cached K/V once.
 
-    q: [B, kv_heads, G * q_len, D]   k, v: [B, kv_heads, ctx, D]   mask: [B, 1, G * q_len, ctx]
+* ``cpp``: the C++ kernel (``llmserve/kernels/cpu``) walks each sequence's block table and
+  reads the blocks in place; nothing is copied.
+* ``torch``: the sequences' K/V are gathered out of the pool and attended by
+  ``scaled_dot_product_attention``. Gathering the whole batch first would write the copy to
+  memory and read it back (three passes over the data); instead the batch is cut into
+  *tiles* of consecutive sequences whose gathered K/V fit in cache (``TILE_BYTES_PER_THREAD``
+  x threads), each gathered into one reused buffer and attended while it is still in cache:
 
-Decode (one query per sequence) is memory-bound: it reads every cached K/V once. Gathering
-the whole batch first would write the copy to memory and read it back (three passes over
-the data); instead the batch is cut into *tiles* of consecutive sequences whose gathered K/V
-fit in cache (``TILE_BYTES_PER_THREAD`` x threads), each gathered into one reused buffer
-and attended while it is still in cache:
+      decodes  d0 d1 d2 d3 d4 d5 d6 d7     tile = as many sequences as the budget holds
+               [  tile 0  ][  tile 1  ]    (all of them at short contexts; at least one per
+                                            thread at very long ones, so every thread has work)
 
-    decodes  d0 d1 d2 d3 d4 d5 d6 d7     tile = as many sequences as the budget holds
-             [  tile 0  ][  tile 1  ]    (all of them at short contexts; at least one per
-                                          thread at very long ones, so every thread has work)
-    a tile gathers ceil(longest context / block_size) blocks per sequence, and needs no mask
-    when all its contexts have the same length.
+  A tile gathers ceil(longest context / block_size) blocks per sequence, and needs no mask
+  when all its contexts have the same length. Grouped-query attention needs no copy of K/V
+  per query head: the ``G = num_heads // num_kv_heads`` query heads of a group are folded
+  into the query-length axis (query head h reads KV head h // G).
 
-The number of tiles is the batch's K/V bytes over the budget, not the number of sequences.
+Prefill (both backends) attends one prompt chunk at a time, so nothing is padded to the
+longest chunk: a chunk with no cached context before it uses SDPA's causal kernel on this
+step's own K/V (no gather, no mask, the masked half skipped); a chunk that continues a context
+(chunked prefill, a prefix-cache hit) gathers its blocks and gets a mask of its own.
 """
 
 from __future__ import annotations

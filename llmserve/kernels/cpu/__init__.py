@@ -98,9 +98,7 @@ def paged_decode_attention(
     ceil(len / block_size)]`` int32, ``seq_lens [n]`` int32 -> ``[n, H, D]``."""
     if out is None:
         out = torch.empty_like(q)
-    _ops().paged_decode_attention(
-        q, k_cache, v_cache, block_tables, seq_lens, scale, out
-    )
+    _ops().paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, out)
     return out
 
 
