@@ -156,9 +156,19 @@ void attend_chunk(const Shape& sh, const float* q, const float* k_cache, const f
   }
 }
 
-void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
-                            const at::Tensor& v_cache, const at::Tensor& block_tables,
-                            const at::Tensor& seq_lens, double scale, at::Tensor& out) {
+// The batch as raw pointers, after its tensors were checked.
+struct Batch {
+  Shape sh;
+  int64_t num_seqs, max_blocks;
+  const float *q, *k_cache, *v_cache;
+  const int32_t *tables, *lens;  // tables: [num_seqs, max_blocks], lens: [num_seqs]
+  float* out;
+  float scale;
+};
+
+Batch check_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                   at::Tensor& out) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
                   v_cache.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
               "paged_decode_attention (CPU) takes float32 tensors");
@@ -169,71 +179,64 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
               "paged_decode_attention (CPU) takes contiguous tensors");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && block_tables.dim() == 2 && out.sizes() == q.sizes(),
               "expected q and out [seqs, heads, dim], cache [blocks, block_size, kv_heads, dim]");
-  Shape sh;
-  sh.num_heads = q.size(1);
-  sh.head_dim = q.size(2);
-  sh.block_size = k_cache.size(1);
-  sh.kv_heads = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == sh.head_dim && sh.num_heads % sh.kv_heads == 0,
-              "head_dim or head counts of q and the cache disagree");
   TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "k_cache and v_cache shapes differ");
-  sh.group = sh.num_heads / sh.kv_heads;
-  sh.row = sh.kv_heads * sh.head_dim;
-  const int64_t num_seqs = q.size(0), max_blocks = block_tables.size(1);
-  const int64_t H = sh.num_heads, D = sh.head_dim;
-
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  float* op = out.data_ptr<float>();
-  const float fscale = static_cast<float>(scale);
-
-  int64_t longest = 0;
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    TORCH_CHECK(lens[s] > 0 && lens[s] <= max_blocks * sh.block_size, "seq_lens[", s, "] = ", lens[s],
-                " is outside 1..", max_blocks * sh.block_size, " (the block table's capacity)");
-    longest = std::max<int64_t>(longest, lens[s]);
+  Batch b;
+  b.sh.num_heads = q.size(1);
+  b.sh.head_dim = q.size(2);
+  b.sh.block_size = k_cache.size(1);
+  b.sh.kv_heads = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == b.sh.head_dim && b.sh.num_heads % b.sh.kv_heads == 0,
+              "head_dim or head counts of q and the cache disagree");
+  b.sh.group = b.sh.num_heads / b.sh.kv_heads;
+  b.sh.row = b.sh.kv_heads * b.sh.head_dim;
+  b.num_seqs = q.size(0);
+  b.max_blocks = block_tables.size(1);
+  TORCH_CHECK(seq_lens.numel() == b.num_seqs && block_tables.size(0) == b.num_seqs,
+              "q, block_tables and seq_lens disagree on the number of sequences");
+  b.q = q.data_ptr<float>();
+  b.k_cache = k_cache.data_ptr<float>();
+  b.v_cache = v_cache.data_ptr<float>();
+  b.tables = block_tables.data_ptr<int32_t>();
+  b.lens = seq_lens.data_ptr<int32_t>();
+  b.out = out.data_ptr<float>();
+  b.scale = static_cast<float>(scale);
+  const int64_t capacity = b.max_blocks * b.sh.block_size;
+  for (int64_t s = 0; s < b.num_seqs; ++s) {
+    TORCH_CHECK(b.lens[s] > 0 && b.lens[s] <= capacity, "seq_lens[", s, "] = ", b.lens[s],
+                " is outside 1..", capacity, " (the block table's capacity)");
   }
-  if (num_seqs == 0) return;
+  return b;
+}
 
-  // Split-K only when the sequences alone cannot give every thread a few items.
-  const int64_t threads = at::get_num_threads();
-  int64_t chunks = 1;
-  if (num_seqs < 4 * threads) {
-    const int64_t want = (4 * threads + num_seqs - 1) / num_seqs;
-    const int64_t longest_blocks = (longest + sh.block_size - 1) / sh.block_size;
-    chunks = std::max<int64_t>(1, std::min(want, longest_blocks / 4));  // >= 4 blocks a chunk
-  }
-
-  if (chunks == 1) {
-    at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores, m(H), l(H);
-      for (int64_t s = begin; s < end; ++s) {
-        float* o = op + s * H * D;
-        attend_chunk(sh, qp + s * H * D, kp, vp, tables + s * max_blocks, 0, lens[s], fscale,
-                     scores, o, m.data(), l.data());
-        for (int64_t h = 0; h < H; ++h) {
-          const float inv = 1.f / l[h];
-          for (int64_t d = 0; d < D; ++d) o[h * D + d] *= inv;
-        }
+// One work item per sequence: out_h = acc_h / l_h directly.
+void attend_per_sequence(const Batch& b) {
+  const int64_t H = b.sh.num_heads, D = b.sh.head_dim;
+  at::parallel_for(0, b.num_seqs, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, m(H), l(H);
+    for (int64_t s = begin; s < end; ++s) {
+      float* o = b.out + s * H * D;  // [H, D]
+      attend_chunk(b.sh, b.q + s * H * D, b.k_cache, b.v_cache, b.tables + s * b.max_blocks, 0,
+                   b.lens[s], b.scale, scores, o, m.data(), l.data());
+      for (int64_t h = 0; h < H; ++h) {
+        const float inv = 1.f / l[h];
+        for (int64_t d = 0; d < D; ++d) o[h * D + d] *= inv;
       }
-    });
-    return;
-  }
+    }
+  });
+}
 
-  // split-K: chunk c of sequence s covers whole blocks [c * per, (c + 1) * per) of its table
-  std::vector<float> part_acc(num_seqs * chunks * H * D), part_m(num_seqs * chunks * H),
-      part_l(num_seqs * chunks * H);
-  at::parallel_for(0, num_seqs * chunks, 1, [&](int64_t begin, int64_t end) {
+// Split-K: chunk c of sequence s covers whole blocks [c * per, (c + 1) * per) of its table;
+// each chunk leaves (m, l, acc), then one reduction per (sequence, head) rescales them.
+void attend_split(const Batch& b, int64_t chunks) {
+  const int64_t H = b.sh.num_heads, D = b.sh.head_dim, bs = b.sh.block_size;
+  const int64_t items = b.num_seqs * chunks;
+  std::vector<float> part_acc(items * H * D), part_m(items * H), part_l(items * H);
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t s = item / chunks, c = item % chunks;
-      const int64_t blocks = (lens[s] + sh.block_size - 1) / sh.block_size;
-      const int64_t per = (blocks + chunks - 1) / chunks;
-      const int64_t t0 = std::min<int64_t>(c * per * sh.block_size, lens[s]);
-      const int64_t t1 = std::min<int64_t>((c + 1) * per * sh.block_size, lens[s]);
+      const int64_t s = item / chunks, c = item % chunks, len = b.lens[s];
+      const int64_t per = ((len + bs - 1) / bs + chunks - 1) / chunks;  // blocks per chunk
+      const int64_t t0 = std::min(c * per * bs, len), t1 = std::min((c + 1) * per * bs, len);
       float* m = part_m.data() + item * H;
       float* l = part_l.data() + item * H;
       if (t0 >= t1) {  // a short sequence has fewer chunks than the longest
@@ -241,30 +244,50 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
         std::fill(l, l + H, 0.f);
         continue;
       }
-      attend_chunk(sh, qp + s * H * D, kp, vp, tables + s * max_blocks, t0, t1, fscale, scores,
-                   part_acc.data() + item * H * D, m, l);
+      attend_chunk(b.sh, b.q + s * H * D, b.k_cache, b.v_cache, b.tables + s * b.max_blocks, t0,
+                   t1, b.scale, scores, part_acc.data() + item * H * D, m, l);
     }
   });
-  at::parallel_for(0, num_seqs * H, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t sh_item = begin; sh_item < end; ++sh_item) {
-      const int64_t s = sh_item / H, h = sh_item % H;
+  at::parallel_for(0, b.num_seqs * H, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const int64_t s = pair / H, h = pair % H;
       float mx = -std::numeric_limits<float>::infinity();
       for (int64_t c = 0; c < chunks; ++c) mx = std::max(mx, part_m[(s * chunks + c) * H + h]);
-      float* o = op + (s * H + h) * D;
+      float* o = b.out + (s * H + h) * D;
       std::fill(o, o + D, 0.f);
       float total = 0.f;
       for (int64_t c = 0; c < chunks; ++c) {
         const int64_t item = s * chunks + c;
-        const float l = part_l[item * H + h];
-        if (l == 0.f) continue;
+        if (part_l[item * H + h] == 0.f) continue;
         const float w = std::exp(part_m[item * H + h] - mx);
-        total += w * l;
+        total += w * part_l[item * H + h];
         axpy(o, w, part_acc.data() + (item * H + h) * D, D);
       }
       const float inv = 1.f / total;
       for (int64_t d = 0; d < D; ++d) o[d] *= inv;
     }
   });
+}
+
+void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& block_tables,
+                            const at::Tensor& seq_lens, double scale, at::Tensor& out) {
+  const Batch b = check_inputs(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
+  if (b.num_seqs == 0) return;
+  // Split-K only when the sequences alone cannot give every thread a few items.
+  const int64_t threads = at::get_num_threads();
+  int64_t chunks = 1;
+  if (b.num_seqs < 4 * threads) {
+    const int64_t longest = *std::max_element(b.lens, b.lens + b.num_seqs);
+    const int64_t longest_blocks = (longest + b.sh.block_size - 1) / b.sh.block_size;
+    const int64_t want = (4 * threads + b.num_seqs - 1) / b.num_seqs;
+    chunks = std::max<int64_t>(1, std::min(want, longest_blocks / 4));  // >= 4 blocks a chunk
+  }
+  if (chunks == 1) {
+    attend_per_sequence(b);
+  } else {
+    attend_split(b, chunks);
+  }
 }
 
 }  // namespace
