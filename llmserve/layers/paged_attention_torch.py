@@ -53,16 +53,16 @@ class TorchAttentionPlan:
     """Index tensors built once per step and shared by every layer."""
 
     block_size: int
-    decode_seq_lens: list[int]  # host copy, sizes the tiles
-    decode_tables: torch.Tensor  # [num_decodes, num_blocks_d] block ids, int64
-    decode_mask: torch.Tensor  # [num_decodes, 1, 1, ctx_d] bool, True = attend
+    native_decode: bool  # decodes through the C++ kernel (llmserve/kernels/cpu), else tiles
+    decode_seq_lens_cpu: list[int]  # host copy, sizes the tiles
+    decode_seq_lens: torch.Tensor  # [num_decodes] int32
+    # [num_decodes, num_blocks_d] block ids: int32 for the C++ kernel, int64 for the tiles
+    # (index_select's fast path)
+    decode_tables: torch.Tensor
+    decode_mask: torch.Tensor | None  # tiles only: [num_decodes, 1, 1, ctx_d] bool, True = attend
     # Per prefill chunk: None when it has no cached context before it (SDPA's causal kernel
     # on this step's K/V), else (block ids of its context, mask [q_len, ctx] bool).
     prefills: list[tuple[torch.Tensor, torch.Tensor] | None]
-    # Decode through the C++ kernel (llmserve/kernels/cpu), which reads the pool in place:
-    native_decode: bool = False
-    decode_tables_i32: torch.Tensor | None = None  # [num_decodes, num_blocks_d] int32
-    decode_seq_lens_t: torch.Tensor | None = None  # [num_decodes] int32
     # Filled by the first layer (they depend on the KV pool's shape and dtype), then reused.
     tiles: list[DecodeTile] | None = None
     buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # gather scratch for K and V
@@ -73,10 +73,15 @@ def build_plan(
 ) -> TorchAttentionPlan:
     device = meta.block_tables.device
     nd = meta.num_decodes
-    d_ctx = max(meta.seq_lens_cpu[:nd], default=0)
-    d_blocks = -(-d_ctx // block_size)
-    positions = torch.arange(d_blocks * block_size, device=device)
-    decode_mask = positions[None, :] < meta.seq_lens[:nd, None]  # [nd, ctx_d]
+    d_blocks = -(-max(meta.seq_lens_cpu[:nd], default=0) // block_size)
+    decode_tables = meta.block_tables[:nd, :d_blocks]  # [nd, d_blocks]
+    decode_mask = None
+    if native_decode:
+        decode_tables = decode_tables.contiguous()
+    else:
+        decode_tables = decode_tables.long()
+        positions = torch.arange(d_blocks * block_size, device=device)
+        decode_mask = (positions[None, :] < meta.seq_lens[:nd, None])[:, None, None, :]
     prefills: list[tuple[torch.Tensor, torch.Tensor] | None] = []
     for i in range(nd, meta.num_seqs):
         q_len, ctx = meta.query_lens_cpu[i], meta.seq_lens_cpu[i]
@@ -88,13 +93,12 @@ def build_plan(
         prefills.append((meta.block_tables[i, : -(-ctx // block_size)].long(), mask))
     return TorchAttentionPlan(
         block_size=block_size,
-        decode_seq_lens=meta.seq_lens_cpu[:nd],
-        decode_tables=meta.block_tables[:nd, :d_blocks].long(),  # int64: index_select's fast path
-        decode_mask=decode_mask[:, None, None, :],
-        prefills=prefills,
         native_decode=native_decode,
-        decode_tables_i32=meta.block_tables[:nd, :d_blocks].contiguous(),
-        decode_seq_lens_t=meta.seq_lens[:nd],
+        decode_seq_lens_cpu=meta.seq_lens_cpu[:nd],
+        decode_seq_lens=meta.seq_lens[:nd],
+        decode_tables=decode_tables,
+        decode_mask=decode_mask,
+        prefills=prefills,
     )
 
 
@@ -130,7 +134,7 @@ def _prepare_decode(plan: TorchAttentionPlan, k_cache: torch.Tensor) -> None:
     budget = TILE_BYTES_PER_THREAD * threads // bytes_per_token
     if k_cache.device.type != "cpu":  # a GPU gains nothing from tiles, and pays per launch
         budget = 1 << 62
-    plan.tiles = plan_decode_tiles(plan.decode_seq_lens, block_size, budget, threads)
+    plan.tiles = plan_decode_tiles(plan.decode_seq_lens_cpu, block_size, budget, threads)
     num_blocks = max((t.num_blocks * (t.end - t.start) for t in plan.tiles), default=0)
     shape = (num_blocks, block_size, kv_heads, head_dim)
     plan.buffers = (
@@ -170,15 +174,15 @@ def _decode(
             q.contiguous(),
             k_cache,
             v_cache,
-            plan.decode_tables_i32,
-            plan.decode_seq_lens_t,
+            plan.decode_tables,
+            plan.decode_seq_lens,
             scale,
             out,
         )
         return
     if plan.tiles is None:
         _prepare_decode(plan, k_cache)
-    assert plan.tiles is not None and plan.buffers is not None
+    assert plan.tiles is not None and plan.buffers is not None and plan.decode_mask is not None
     num_seqs, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
     q = q.view(num_seqs, kv_heads, num_heads // kv_heads, head_dim)  # [nd, kvh, G, D]

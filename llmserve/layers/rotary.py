@@ -122,9 +122,8 @@ class RotaryEmbedding(nn.Module):
     ):
         super().__init__()
         self.head_dim = head_dim
-        self.use_triton = kernels == "triton"
-        self.use_cpp = kernels == "cpp"
-        self.interleaved = not self.use_triton
+        self.kernels = kernels
+        self.interleaved = kernels != "triton"
         inv_freq, scaling = compute_inv_freq(params, head_dim, max_position, max_model_len)
         t = torch.arange(max(max_position, max_model_len), dtype=torch.float64)
         freqs = torch.outer(t, inv_freq)  # [max_positions, head_dim // 2]
@@ -141,7 +140,7 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Neox layout: q ``[num_tokens, num_heads * head_dim]``, k likewise."""
-        if self.use_triton:
+        if self.kernels == "triton":
             from llmserve.kernels import rotary_embedding_
 
             rotary_embedding_(positions, q, k, self.cos_sin_cache)
@@ -151,7 +150,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward_interleaved(self, positions: torch.Tensor, qk: torch.Tensor) -> torch.Tensor:
         """Interleaved layout: ``qk: [T, (H + kvh) * D]`` (a view is fine) -> rotated, contiguous."""
-        if self.use_cpp and qk.dtype == torch.float32:
+        if self.kernels == "cpp":  # float32 (resolve_attention_backend)
             return cpu_kernels.rotary_interleaved(qk, positions, self.cis, self.head_dim)
         num_tokens = qk.shape[0]
         pairs = qk.float().view(num_tokens, -1, self.head_dim // 2, 2)  # [T, heads, D/2, 2]
