@@ -16,6 +16,9 @@ def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any
     return field(default=default, metadata={"help": help, "choices": choices})
 
 
+QUANTIZATION_METHODS = ("int8", "llm_int8", "nf4", "fp4", "gguf", "gptq", "awq")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Which model to run and how to load it."""
@@ -39,6 +42,20 @@ class ModelConfig:
     )
     served_model_name: str | None = _opt(
         None, "Model name the server answers to; default: the model path"
+    )
+    quantization: str | None = _opt(
+        None,
+        "Quantized linear layers: int8 (W8, per-channel absmax), llm_int8 (bitsandbytes "
+        "LLM.int8 with fp outliers), nf4 / fp4 (bitsandbytes 4-bit, blocks of 64), gguf "
+        "(compute on a GGUF file's own blocks), gptq / awq (read from the checkpoint; detected "
+        "from its quantization_config without this flag)",
+        QUANTIZATION_METHODS,
+    )
+    llm_int8_threshold: float = _opt(
+        6.0, "llm_int8: input features with |x| above this are multiplied in full precision"
+    )
+    nf4_double_quant: bool = _opt(
+        False, "nf4/fp4: quantize the absmax constants again (8-bit, blocks of 256), as QLoRA"
     )
 
 
@@ -128,7 +145,7 @@ class EngineConfig:
             for f in dataclasses.fields(klass_cfg):
                 choices = f.metadata.get("choices")
                 value = getattr(klass_cfg, f.name)
-                if choices and value not in choices:
+                if choices and value is not None and value not in choices:
                     raise ValueError(f"{f.name} must be one of {list(choices)}, got {value!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             owner = self.cache if name == "block_size" else self.scheduler
@@ -136,5 +153,9 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(owner, name)}")
         if self.model.max_model_len is not None and self.model.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.model.max_model_len}")
+        if self.model.llm_int8_threshold < 0:
+            raise ValueError(
+                f"llm_int8_threshold must be >= 0 (0 turns outliers off), got {self.model.llm_int8_threshold}"
+            )
         if not 0.0 < self.cache.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")

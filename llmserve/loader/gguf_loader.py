@@ -21,6 +21,14 @@ import numpy as np
 import torch
 from transformers import LlamaConfig, PretrainedConfig, Qwen2Config
 
+from llmserve.quantization.gguf import (
+    FLOAT_TYPES,
+    gguf_to_internal,
+    is_supported,
+    unsupported_type_message,
+)
+from llmserve.quantization.layout import QuantizedWeight
+
 logger = logging.getLogger(__name__)
 
 # general.architecture -> (config class, HF architecture, q/k rows permuted by the converter)
@@ -221,6 +229,51 @@ def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return rows.reshape(weight.shape).contiguous()
 
 
+def _is_quantized(tensor: gguf.ReaderTensor) -> bool:
+    qtype = gguf.GGMLQuantizationType(tensor.tensor_type)
+    return len(tensor.shape) == 2 and qtype not in _PLAIN_TYPES and qtype not in FLOAT_TYPES
+
+
+def check_gguf_quantized_types(path: str) -> None:
+    """Refuse, before loading anything, a file with a quantized type no kernel computes on."""
+    for tensor in _open_reader(str(path)).tensors:
+        if _is_quantized(tensor) and not is_supported(tensor.tensor_type):
+            raise ValueError(unsupported_type_message(tensor.name, tensor.tensor_type))
+
+
+def iter_gguf_quantized(path: str) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """As ``iter_gguf_tensors``, but quantized matrices stay quantized: (HF name,
+    ``QuantizedWeight`` in HF row order) for those, fp32 tensors for the rest."""
+    reader = _open_reader(str(path))
+    arch = _architecture(reader, path)
+    is_permuted = _ARCHITECTURES[arch][2]
+    num_heads, num_kv_heads = _head_counts(reader, arch)
+    for tensor in reader.tensors:
+        name = hf_tensor_name(tensor.name)
+        if name is None:
+            continue
+        if not _is_quantized(tensor):
+            weight = dequantize_tensor(tensor)
+            heads = _permuted_heads(name, is_permuted, num_heads, num_kv_heads)
+            yield name, weight if heads is None else unpermute_rotary_rows(weight, heads)
+            continue
+        shape = tuple(int(dim) for dim in reversed(tensor.shape))
+        qweight = gguf_to_internal(tensor.name, tensor.tensor_type, tensor.data, shape)
+        heads = _permuted_heads(name, is_permuted, num_heads, num_kv_heads)
+        if heads is not None:
+            qweight = qweight.select_rows(unpermute_rotary_rows(torch.arange(shape[0]), heads))
+        yield name, qweight
+
+
+def _permuted_heads(name: str, is_permuted: bool, num_heads: int, num_kv_heads: int) -> int | None:
+    """Head count whose rows the converter interleaved in this tensor, or None."""
+    if is_permuted and ".self_attn.q_proj." in name:
+        return num_heads
+    if is_permuted and ".self_attn.k_proj." in name:
+        return num_kv_heads
+    return None
+
+
 def iter_gguf_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (Hugging Face name, fp32 tensor in HF layout) for every weight in a GGUF file.
 
@@ -236,8 +289,5 @@ def iter_gguf_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
         if name is None:
             continue
         weight = dequantize_tensor(tensor)
-        if is_permuted and ".self_attn.q_proj." in name:
-            weight = unpermute_rotary_rows(weight, num_heads)
-        elif is_permuted and ".self_attn.k_proj." in name:
-            weight = unpermute_rotary_rows(weight, num_kv_heads)
-        yield name, weight
+        heads = _permuted_heads(name, is_permuted, num_heads, num_kv_heads)
+        yield name, weight if heads is None else unpermute_rotary_rows(weight, heads)

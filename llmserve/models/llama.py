@@ -175,10 +175,16 @@ class LlamaForCausalLM(nn.Module):
                 return
             sizes = self._shard_sizes(name)
             start = sum(sizes[:shard])
-            attn = self.layers[0].self_attn
-            if "qkv_proj" in name and shard < 2 and attn.rotary_emb.interleaved:
-                tensor = to_interleaved(tensor, attn.head_dim)  # see RotaryEmbedding
-            param[start : start + sizes[shard]].copy_(tensor)
+            order = self.shard_row_order(name, shard, tensor.shape[0])
+            param[start : start + sizes[shard]].copy_(tensor if order is None else tensor[order])
+
+    def shard_row_order(self, name: str, shard: int | None, rows: int) -> torch.Tensor | None:
+        """The row order this model stores a checkpoint shard in (None: as it comes): q/k rows
+        interleave per head when the rotary kernel is the pairwise one (see RotaryEmbedding)."""
+        attn = self.layers[0].self_attn
+        if "qkv_proj" in name and shard is not None and shard < 2 and attn.rotary_emb.interleaved:
+            return to_interleaved(torch.arange(rows), attn.head_dim)
+        return None
 
     def _shard_sizes(self, name: str) -> list[int]:
         if "qkv_proj" in name:

@@ -10,6 +10,8 @@ from llmserve.config import EngineConfig
 from llmserve.layers.cpu_linear import can_pack, pack_linear_layers
 from llmserve.loader import ResolvedModel, iter_weights
 from llmserve.models.registry import get_model_class
+from llmserve.quantization import loading as quantization
+from llmserve.quantization.linear import default_kernel as default_quant_kernel
 from llmserve.runner import kv_cache
 from llmserve.runner.cuda_graph import CUDAGraphRunner
 from llmserve.runner.model_runner import ModelRunner
@@ -69,19 +71,37 @@ def load_model(
     device,
     backend: str,
 ):
-    """Instantiate the architecture and fill in its weights (or random ones for ``dummy``)."""
+    """Instantiate the architecture and fill in its weights (or random ones for ``dummy``),
+    quantized as ``--quantization`` (or the checkpoint) says."""
+    method = quantization.resolve_quantization(config.model.quantization, resolved, device, dtype)
     model_class = get_model_class(hf_config)
     torch.manual_seed(config.model.seed)
     with torch.device(device):
         model = model_class(hf_config, max_model_len, backend)
+    kernel = default_quant_kernel(device) if method else ""
+    if method in quantization.RUNTIME_METHODS:
+        quantization.check_runtime_shapes(model, method)
     if config.model.load_format == "dummy":
         for param in model.parameters():
             torch.nn.init.normal_(param.data, std=0.02)
+    elif method in quantization.CHECKPOINT_METHODS:
+        tensors = quantization.iter_quantized_checkpoint(resolved, method)
+        quantized, biases, floats = quantization.split_quantized(tensors)
+        quantization.install_quantized_weights(model, quantized, biases, kernel, method, device)
+        model.load_weights(floats)
     else:
         model.load_weights(iter_weights(resolved))
     model = model.to(dtype=dtype).eval()
+    quantization.set_output_dtype(model, dtype)
+    if method in quantization.RUNTIME_METHODS:
+        options = {
+            "llm_int8_threshold": config.model.llm_int8_threshold,
+            "nf4_double_quant": config.model.nf4_double_quant,
+        }
+        quantization.quantize_model(model, method, options, kernel)
     if can_pack(device, dtype):
         pack_linear_layers(model, batch_size_hint=config.scheduler.max_num_seqs)
+    model.quantization_info = f"quantization {method}, {kernel} kernel; " if method else ""
     return model
 
 
@@ -119,8 +139,9 @@ def create_runner(
         )
         graphs.capture()
     runner = ModelRunner(model, caches, spec.block_size, device, eos_token_id, backend, graphs)
+    weights = quantization.describe_weight_bytes(quantization.weight_bytes_by_dtype(model))
     info = (
         f"model {resolved.display_name} on {device} ({dtype}, attention: {backend}); "
-        + kv_cache.describe(spec, num_blocks, max_model_len)
+        f"{model.quantization_info}{weights}; " + kv_cache.describe(spec, num_blocks, max_model_len)
     )
     return runner, num_blocks, info

@@ -41,6 +41,19 @@ def _headers_hash() -> str:
     return digest[:16]
 
 
+def _cpu_flags_hash() -> str:
+    """A digest of this CPU's instruction-set flags. ``-march=native`` code built on one host
+    must never be reused from the cache on another (an AVX-512 build dies with SIGILL on an
+    AVX2-only host), so the flags are part of the build's flags and a new CPU rebuilds."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        pass
+    return hashlib.sha256(flags.encode()).hexdigest()[:16]
+
+
 def _build() -> bool:
     from torch.utils.cpp_extension import load
 
@@ -55,7 +68,13 @@ def _build() -> bool:
         sources=[str(p) for p in _SOURCES],
         # -fopenmp: at::parallel_for is an OpenMP region compiled into this library; the
         # process already has torch's libgomp loaded, which the library then shares.
-        extra_cflags=["-O3", "-march=native", "-fopenmp", f"-DLLMSERVE_HEADERS={_headers_hash()}"],
+        extra_cflags=[
+            "-O3",
+            "-march=native",
+            "-fopenmp",
+            f"-DLLMSERVE_HEADERS={_headers_hash()}",
+            f"-DLLMSERVE_CPU={_cpu_flags_hash()}",
+        ],
         extra_ldflags=["-fopenmp"],
         is_python_module=False,
         verbose=False,

@@ -1,0 +1,1 @@
+"""Quantized weights at run time (package docstring completed below as methods land)."""

@@ -1,0 +1,119 @@
+"""The quantized linear layer and embedding every weight-only method shares.
+
+``QuantLinear`` holds one ``QuantizedWeight`` (or, for a fused projection whose parts differ in
+format, one per part: a GGUF file may store q/k in Q4_K and v in Q6_K) and runs the fused
+dequantize-matmul kernel of its device:
+
+    cpu    C++ kernel (kernels/cpu/quant_gemm.cpp): int8 activations per block of 32, integer
+           dot products (AVX-512 VNNI / AVX2 / scalar, chosen at run time), float32 in and out
+    cuda   Triton W4A16 / W8A16 kernel (kernels/quant_matmul.py), activations in 16 bits
+    torch  dequantize, then matmul: the reference, used when neither kernel can run
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from llmserve.quantization.layout import (
+    QuantizedWeight,
+    can_concat,
+    concat_rows,
+    reference_linear,
+)
+
+KERNELS = ("cpu", "triton", "torch")
+
+
+def default_kernel(device: torch.device) -> str:
+    """The fastest kernel that runs on ``device`` here."""
+    if device.type == "cuda":
+        from llmserve.kernels import is_triton_available
+
+        return "triton" if is_triton_available() else "torch"
+    try:
+        from llmserve.kernels.cpu import quant as cpu_quant
+    except ImportError:  # TEMPORARY until the kernel lands
+        return "torch"
+    return "cpu" if cpu_quant.available() else "torch"
+
+
+class QuantLinear(nn.Module):
+    """``y = x @ W^T + b`` with ``W`` quantized; the output rows of ``parts`` are concatenated."""
+
+    def __init__(
+        self,
+        parts: list[QuantizedWeight],
+        bias: torch.Tensor | None = None,
+        kernel: str = "torch",
+        method: str = "",
+    ):
+        super().__init__()
+        assert kernel in KERNELS, kernel
+        self.parts = [concat_rows(parts)] if len(parts) > 1 and can_concat(parts) else parts
+        self.in_features = parts[0].shape[1]
+        self.out_features = sum(p.shape[0] for p in parts)
+        self.register_buffer("bias", bias)  # a buffer: the model's load_weights skips it
+        self.kernel = kernel
+        self.method = method
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        leading = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)  # [T, K]
+        if len(self.parts) == 1:
+            out = self._matmul(x2, self.parts[0], self.bias)
+        else:
+            out = torch.cat([self._matmul(x2, p, None) for p in self.parts], dim=-1)
+            if self.bias is not None:
+                out = out + self.bias
+        return out.reshape(*leading, self.out_features)
+
+    def _matmul(
+        self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        if self.kernel == "cpu":
+            from llmserve.kernels.cpu import quant as cpu_quant
+
+            if weight.perm is not None:
+                x = x.index_select(-1, weight.perm)
+            return cpu_quant.quant_linear(x, weight, bias)
+        if self.kernel == "triton":
+            from llmserve.kernels.quant_matmul import quant_matmul
+
+            return quant_matmul(x, weight, bias)
+        return reference_linear(x, weight, bias)
+
+    @property
+    def weight_nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def extra_repr(self) -> str:
+        formats = ", ".join(f"{p.bits}-bit G{p.group_size}" for p in self.parts)
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"method={self.method}, {formats}, kernel={self.kernel}"
+        )
+
+
+class QuantEmbedding(nn.Module):
+    """Token embedding whose table stays quantized; only the looked-up rows are dequantized."""
+
+    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        assert weight.perm is None
+        self.weight_q = weight
+        self.num_embeddings, self.embedding_dim = weight.shape
+        self.dtype = dtype
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        rows = self.weight_q.select_rows(input_ids.reshape(-1))
+        out = rows.dequantize().to(self.dtype)  # [T, hidden]
+        return out.reshape(*input_ids.shape, self.embedding_dim)
+
+    @property
+    def weight_nbytes(self) -> int:
+        return self.weight_q.nbytes
+
+    def extra_repr(self) -> str:
+        w = self.weight_q
+        return f"{self.num_embeddings}, {self.embedding_dim}, {w.bits}-bit G{w.group_size}"
