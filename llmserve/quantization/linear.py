@@ -74,9 +74,7 @@ class QuantLinear(nn.Module):
         if self.kernel == "cpu":
             from llmserve.kernels.cpu import quant as cpu_quant
 
-            if weight.perm is not None:
-                x = x.index_select(-1, weight.perm)
-            return cpu_quant.quant_linear(x, weight, bias)
+            return cpu_quant.quant_linear(x, weight, bias)  # gathers x[:, perm] itself
         if self.kernel == "triton":
             from llmserve.kernels.quant_matmul import quant_matmul
 

@@ -1,0 +1,102 @@
+"""LLM.int8() (Dettmers et al. 2022), bitsandbytes' 8-bit inference: int8 weights and
+activations, with the few outlier input features computed in floating point.
+
+Weight, once (bitsandbytes' ``Int8Params``): per output row ``n``
+
+    SCB[n] = max_k |W[n, k]|          CB[n, k] = round(W[n, k] * 127 / SCB[n])   (int8)
+
+Forward, per call, for ``x [T, K]``:
+
+    outlier entries   |x[t, k]| >= threshold           (threshold 0: none)
+    outlier columns   O = the k with any outlier entry
+    SCA[t]   = max_k |x[t, k]| over non-outlier entries
+    CA[t, k] = round(x[t, k] * 127 / SCA[t]), 0 on outlier entries and columns O   (int8)
+
+    y = (CA @ CB^T) * SCA[t] * SCB[n] / 127^2            int8 x int8 -> int32, then scaled
+      + x[:, O] @ (CB[:, O] * SCB / 127)^T                the outlier columns, in floating point
+      + bias
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def quantize_rows(matrix: torch.Tensor, absmax: torch.Tensor) -> torch.Tensor:
+    """float ``[R, C]`` -> int8 ``round(x * 127 / absmax[r])`` (an all-zero row gives 0)."""
+    safe = torch.where(absmax > 0, absmax, torch.ones_like(absmax))  # [R]
+    return torch.round(matrix * (127.0 / safe).unsqueeze(1)).to(torch.int8)
+
+
+def int8_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """int8 ``a [M, K]`` times int8 ``b [N, K]`` transposed -> int32 ``[M, N]``, exactly."""
+    try:
+        return torch._int_mm(a, b.t())
+    except RuntimeError:  # shapes or devices _int_mm refuses (CUDA needs M > 16, K % 8 == 0)
+        return (a.double() @ b.double().t()).to(torch.int32)
+
+
+class LLMInt8Linear(nn.Module):
+    """``y = x @ W^T + b`` by LLM.int8(); state in buffers ``CB``, ``SCB``, ``bias``."""
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, threshold: float = 6.0
+    ):
+        super().__init__()
+        if weight.dim() != 2 or not weight.is_floating_point():
+            raise ValueError(
+                f"expected a float weight [out, in], got {weight.dtype} {tuple(weight.shape)}"
+            )
+        if threshold < 0:
+            raise ValueError(f"threshold must be >= 0 (0 disables outliers), got {threshold}")
+        w = weight.detach().float()
+        scb = w.abs().amax(dim=1)  # [N]
+        self.register_buffer("CB", quantize_rows(w, scb))  # int8 [N, K]
+        self.register_buffer("SCB", scb)  # float32 [N]
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        self.out_features, self.in_features = w.shape
+        self.threshold = float(threshold)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, threshold: float = 6.0) -> LLMInt8Linear:
+        return cls(linear.weight, linear.bias, threshold=threshold)
+
+    @property
+    def weight_nbytes(self) -> int:
+        """Resident bytes of the quantized weight (``CB`` and ``SCB``; the bias not counted)."""
+        return self.CB.numel() * self.CB.element_size() + self.SCB.numel() * self.SCB.element_size()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        leading = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).float()  # [T, K]
+        out = self._matmul(x2)  # [T, N]
+        if self.bias is not None:
+            out = out + self.bias.float()
+        return out.to(x.dtype).reshape(*leading, self.out_features)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 0:
+            return x.new_zeros(0, self.out_features)
+        outliers = self._outliers(x)  # bool [T, K] or None
+        inliers = x if outliers is None else x.masked_fill(outliers, 0.0)  # [T, K]
+        sca = inliers.abs().amax(dim=1)  # [T]
+        ca = quantize_rows(inliers, sca)  # int8 [T, K]
+        cols = None
+        if outliers is not None:
+            cols = outliers.any(dim=0).nonzero().flatten()  # [num_outlier_cols]
+            ca[:, cols] = 0
+        acc = int8_matmul(ca, self.CB)  # int32 [T, N]
+        out = acc.float() * (sca.unsqueeze(1) * self.SCB.unsqueeze(0)) * (1.0 / 127**2)
+        if cols is not None and cols.numel():
+            w_cols = self.CB[:, cols].float() * (self.SCB / 127.0).unsqueeze(1)  # [N, num_cols]
+            out = out.addmm(x[:, cols], w_cols.t())
+        return out
+
+    def _outliers(self, x: torch.Tensor) -> torch.Tensor | None:
+        if self.threshold == 0:
+            return None
+        return x.abs() >= self.threshold  # [T, K], as bitsandbytes (>=)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, threshold={self.threshold}"
