@@ -54,6 +54,13 @@ class ModelConfig:
     llm_int8_threshold: float = _opt(
         6.0, "llm_int8: input features with |x| above this are multiplied in full precision"
     )
+    quantized_activations: str = _opt(
+        "float",
+        "CPU kernels of quantized weights: float (weights decoded in registers, float32 "
+        "activations, exact) or int8 (llama.cpp's scheme: activations rounded to int8 per "
+        "block of 32, integer dot products; faster, less accurate)",
+        ("float", "int8"),
+    )
     nf4_double_quant: bool = _opt(
         False, "nf4/fp4: quantize the absmax constants again (8-bit, blocks of 256), as QLoRA"
     )

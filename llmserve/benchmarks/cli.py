@@ -3,6 +3,8 @@
 llmserve bench throughput --workload text2sql --num-prompts 64 [--backend all]
 llmserve bench serve --base-url http://127.0.0.1:8000 --request-rate 4
 llmserve bench sweep --batch-sizes 1,2,4,8 --request-rates 1,4,inf --output-dir out/
+llmserve bench latency --quantization gguf --peer llama.cpp
+llmserve bench kernels
 """
 
 from __future__ import annotations
@@ -275,10 +277,49 @@ def run_attention_command(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- latency --------------------------------------------------------------------------------
+def add_latency_parser(subparsers) -> None:
+    from llmserve.benchmarks.latency import add_arguments
+
+    p = subparsers.add_parser(
+        "latency", help="one request alone: TTFT and batch-1 decode tok/s (--peer llama.cpp)"
+    )
+    add_arguments(p)
+    p.set_defaults(func=run_latency_command)
+
+
+def run_latency_command(args: argparse.Namespace) -> int:
+    from llmserve.benchmarks import latency
+
+    report = latency.run(args)
+    return 0 if report["results"] else 1
+
+
+# ---- kernels --------------------------------------------------------------------------------
+def add_kernels_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "kernels", help="quantized matmul kernels vs fp32 and torch's int8/int4 baselines (CPU)"
+    )
+    p.add_argument("--isa", default="auto", help="CPU kernel path: auto, avx512_vnni, avx2, scalar")
+    p.add_argument("--repeats", type=int, default=20, help="timed calls per shape (default: 20)")
+    p.add_argument("--output-json", metavar="FILE", help="write the results to this JSON file")
+    p.set_defaults(func=run_kernels_command)
+
+
+def run_kernels_command(args: argparse.Namespace) -> int:
+    from llmserve.benchmarks.kernels import format_table, run_kernel_benchmark
+    from llmserve.benchmarks.report import machine_info, write_json
+
+    rows = run_kernel_benchmark(repeats=args.repeats, isa=args.isa)
+    print(format_table(rows))
+    write_json(args.output_json, {"results": rows, "machine": machine_info()})
+    return 0
+
+
 def add_parser(subparsers) -> None:
     """Register ``bench`` and its subcommands on the ``llmserve`` parser."""
     bench = subparsers.add_parser(
-        "bench", help="benchmarks: throughput, serve, sweep, report, attention"
+        "bench", help="benchmarks: throughput, serve, sweep, report, attention, latency, kernels"
     )
     sub = bench.add_subparsers(dest="bench_command", required=True)
     add_throughput_parser(sub)
@@ -286,3 +327,5 @@ def add_parser(subparsers) -> None:
     add_sweep_parser(sub)
     add_report_parser(sub)
     add_attention_parser(sub)
+    add_latency_parser(sub)
+    add_kernels_parser(sub)

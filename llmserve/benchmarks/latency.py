@@ -112,7 +112,7 @@ def bench_llama_cpp(model, prompt_ids, output_len, num_iters, eos_ids) -> dict[s
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from llmserve.benchmarks.peers import BackendUnavailable
-    from llmserve.kernels.cpu.quant import selected_isa
+    from llmserve.kernels.cpu.quant import auto_isa
     from llmserve.tokenizer import get_tokenizer
 
     kwargs = engine_kwargs(args)
@@ -134,7 +134,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "prompt_len": request.prompt_len,
         "output_len": args.output_len,
         "results": results,
-        "machine": machine_info() | {"cpu_kernel_isa": selected_isa()},
+        "machine": machine_info() | {"cpu_kernel_isa": auto_isa()},
     }
     print(summary_text(report))
     write_json(args.output_json, report)

@@ -4,8 +4,12 @@
 format, one per part: a GGUF file may store q/k in Q4_K and v in Q6_K) and runs the fused
 dequantize-matmul kernel of its device:
 
-    cpu    C++ kernel (kernels/cpu/quant_gemm.cpp): int8 activations per block of 32, integer
-           dot products (AVX-512 VNNI / AVX2 / scalar, chosen at run time), float32 in and out
+    cpu       C++ kernel (kernels/cpu/quant_float.cpp): weights decoded in registers, float32
+              activations, exact up to summation order (AVX-512 / AVX2 / portable)
+    cpu_int8  C++ kernel (kernels/cpu/quant_gemm.cpp), llama.cpp's scheme: activations rounded
+              to int8 per block of 32, integer dot products (AVX-512 VNNI / AVX2 / scalar);
+              faster, but rounding x costs accuracy on models with large activations
+              (--quantized-activations int8)
     cuda   Triton W4A16 / W8A16 kernel (kernels/quant_matmul.py), activations in 16 bits
     torch  dequantize, then matmul: the reference, used when neither kernel can run
 """
@@ -22,20 +26,20 @@ from llmserve.quantization.layout import (
     reference_linear,
 )
 
-KERNELS = ("cpu", "triton", "torch")
+KERNELS = ("cpu", "cpu_int8", "triton", "torch")
 
 
-def default_kernel(device: torch.device) -> str:
-    """The fastest kernel that runs on ``device`` here."""
+def default_kernel(device: torch.device, activations: str = "float") -> str:
+    """The fastest kernel that runs on ``device`` here (``activations``: float or int8)."""
     if device.type == "cuda":
         from llmserve.kernels import is_triton_available
 
         return "triton" if is_triton_available() else "torch"
-    try:
-        from llmserve.kernels.cpu import quant as cpu_quant
-    except ImportError:  # TEMPORARY until the kernel lands
+    from llmserve.kernels.cpu import quant as cpu_quant
+
+    if not cpu_quant.available():
         return "torch"
-    return "cpu" if cpu_quant.available() else "torch"
+    return "cpu_int8" if activations == "int8" else "cpu"
 
 
 class QuantLinear(nn.Module):
@@ -74,7 +78,11 @@ class QuantLinear(nn.Module):
         if self.kernel == "cpu":
             from llmserve.kernels.cpu import quant as cpu_quant
 
-            return cpu_quant.quant_linear(x, weight, bias)  # gathers x[:, perm] itself
+            return cpu_quant.quant_linear_f32(x, weight, bias)  # gathers x[:, perm] itself
+        if self.kernel == "cpu_int8":
+            from llmserve.kernels.cpu import quant as cpu_quant
+
+            return cpu_quant.quant_linear(x, weight, bias)
         if self.kernel == "triton":
             from llmserve.kernels.quant_matmul import quant_matmul
 

@@ -78,7 +78,7 @@ def load_model(
     torch.manual_seed(config.model.seed)
     with torch.device(device):
         model = model_class(hf_config, max_model_len, backend)
-    kernel = default_quant_kernel(device) if method else ""
+    kernel = default_quant_kernel(device, config.model.quantized_activations) if method else ""
     if method in quantization.RUNTIME_METHODS:
         quantization.check_runtime_shapes(model, method)
     if config.model.load_format == "dummy":

@@ -159,7 +159,11 @@ def test_errors(tiny_gguf: str, tmp_path) -> None:
     path = str(tmp_path / "q5_0.gguf")
     writer = gguf.GGUFWriter(path, "llama")
     _add_metadata(writer, LlamaConfig(**TINY))
-    writer.add_tensor("blk.0.attn_q.weight", _quantize(np.ones((256, 256), np.float32), QType.Q5_0), raw_dtype=QType.Q5_0)
+    writer.add_tensor(
+        "blk.0.attn_q.weight",
+        _quantize(np.ones((256, 256), np.float32), QType.Q5_0),
+        raw_dtype=QType.Q5_0,
+    )
     _write_gguf(writer)
     with pytest.raises(ValueError, match=r"Q5_0.*supported: Q4_0.*omit --quantization gguf"):
         _load(path, "torch", quantization="gguf")

@@ -131,19 +131,32 @@ def test_runtime_method(float_checkpoint, method: str) -> None:
     _assert_agrees(_greedy(llm), reference, 0.75)
 
 
-@pytest.mark.parametrize("method", ["int8", "llm_int8"])
-def test_default_model_int8_greedy(hf_greedy_reference, method: str) -> None:
-    """int8 weights on the real model: most greedy tokens equal the fp32 reference's."""
+@pytest.mark.parametrize("method,min_agreement", [("int8", 0.9), ("llm_int8", 0.85)])
+def test_default_model_int8_greedy(hf_greedy_reference, method: str, min_agreement: float) -> None:
+    """int8 weights on the real model: the greedy token at each step of the fp32 reference's
+    continuation (teacher-forced, so one near-tie does not derail the rest) is mostly the same;
+    free-running prefixes are printed for the record."""
+    from llmserve.tokenizer import get_tokenizer
+
     llm = LLM(quantization=method, max_model_len=256)
+    tokenizer = get_tokenizer(None)
+    agree = total = 0
+    for prompt, ref in zip(PROMPTS, hf_greedy_reference):
+        ids = tokenizer.encode(prompt)
+        params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+        out = llm.generate({"prompt_token_ids": ids + ref}, params, use_tqdm=False)[0]
+        for pos, token in enumerate(ref):
+            candidates = out.prompt_logprobs[len(ids) + pos]  # top-1 and the actual token
+            agree += max(candidates, key=candidates.get) == token
+            total += 1
     params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
     outputs = llm.generate(PROMPTS, params, use_tqdm=False)
     prefixes = [
         _common_prefix(out.outputs[0].token_ids, ref) / NUM_TOKENS
         for out, ref in zip(outputs, hf_greedy_reference)
     ]
-    print(f"{method}: matching-prefix fraction per prompt {prefixes}")
-    assert sum(p == 1.0 for p in prefixes) >= len(PROMPTS) // 2
-    assert sum(prefixes) / len(prefixes) >= 0.6
+    print(f"{method}: {agree / total:.1%} teacher-forced greedy agreement; prefixes {prefixes}")
+    assert agree / total >= min_agreement
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -1,0 +1,150 @@
+"""Fused dequantize-matmul C++ kernels for ``QuantizedWeight`` (quantization/layout.py).
+
+    quant_gemm.cpp   the ops: activations quantized to int8 per block of 32 columns (absmax),
+                     integer dot products with the 4/8-bit weight values, one float scale per
+                     block and weight group (llama.cpp's scheme)
+    quant_gemm.h     the AVX-512 VNNI and AVX2 tiles
+    quant_float.cpp  quant_linear_f32: float activations, weights decoded in registers
+                     (AVX-512 / AVX2 / portable, chosen at run time); tiles of 64 rows decoded
+                     to an L2-sized buffer and multiplied by ATen's GEMM for M >= 16. Exact up
+                     to summation order: the engine's default CPU path
+
+Unlike the kernels in ``__init__.py`` this extension is built for the baseline x86-64 target
+(no ``-march=native``): the SIMD code carries per-function target attributes and the path is
+picked at run time from the CPU's features, so one cached build is safe on any host. ``isa``
+arguments take ``"auto"`` (the best this CPU runs; ``auto_isa()`` says which),
+``"avx512_vnni"``, ``"avx2"`` or ``"scalar"``; forcing one the CPU lacks raises.
+
+Built on first use (about half a minute, cached by torch under ``TORCH_EXTENSIONS_DIR``).
+Without a C++ compiler, or with ``LLMSERVE_CPU_KERNELS=0``, ``available()`` is False.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+from llmserve.quantization.layout import QuantizedWeight
+
+logger = logging.getLogger(__name__)
+
+_SOURCES = [Path(__file__).with_name(name) for name in ("quant_gemm.cpp", "quant_float.cpp")]
+_HEADER = Path(__file__).with_name("quant_gemm.h")
+ISAS = ("avx512_vnni", "avx2", "scalar")
+_lock = threading.Lock()
+_state: dict[str, bool] = {}
+
+
+def _build() -> bool:
+    from torch.utils.cpp_extension import load
+
+    # torch runs `ninja` from PATH; the pip-installed one sits beside this interpreter
+    bin_dir = os.path.dirname(sys.executable)
+    if shutil.which("ninja") is None and shutil.which("ninja", path=bin_dir):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+    # torch rebuilds when the source or a flag changes; the header's hash as a flag counts it too
+    header_hash = hashlib.sha256(_HEADER.read_bytes()).hexdigest()[:16]
+    logger.info("building the quantized-matmul C++ kernels (once per machine; cached by torch)")
+    load(
+        name="llmserve_cpu_quant",
+        sources=[str(p) for p in _SOURCES],
+        # no -march: ISA-specific functions have target attributes and are chosen at run time
+        extra_cflags=["-O3", "-fopenmp", f"-DLLMSERVE_QUANT_HEADER={header_hash}"],
+        extra_ldflags=["-fopenmp"],
+        is_python_module=False,
+        verbose=False,
+    )
+    return hasattr(torch.ops.llmserve_quant, "quant_linear") and hasattr(
+        torch.ops.llmserve_quant, "quant_linear_f32"
+    )
+
+
+def available() -> bool:
+    """Whether the kernels are built and loaded (builds them on the first call)."""
+    if "ok" not in _state:
+        with _lock:
+            if "ok" not in _state:
+                ok = False
+                if os.environ.get("LLMSERVE_CPU_KERNELS", "1") != "0":
+                    try:
+                        ok = _build()
+                    except Exception as exc:  # no compiler, failed build: callers keep torch
+                        logger.warning("quantized-matmul C++ kernels unavailable: %s", exc)
+                _state["ok"] = ok
+    return _state["ok"]
+
+
+def _ops():
+    if not available():
+        raise RuntimeError("the quantized-matmul C++ kernels are not built (the log says why)")
+    return torch.ops.llmserve_quant
+
+
+def auto_isa() -> str:
+    """The path ``isa="auto"`` runs on this CPU: ``avx512_vnni``, ``avx2`` or ``scalar``."""
+    return _ops().resolve_isa("auto")
+
+
+def supported_isas() -> list[str]:
+    """Every ``isa`` this CPU can run, best first."""
+    ops = _ops()
+    supported = []
+    for isa in ISAS:
+        try:
+            supported.append(ops.resolve_isa(isa))
+        except RuntimeError:
+            pass
+    return supported
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``x [M, K]`` -> ``(xq int8 [M, K], xs fp32 [M, K / 32])``: per block of 32 columns,
+    ``xs = absmax / 127`` and ``xq = round(x / xs)`` (half to even), so ``x ~= xq * xs``."""
+    return _ops().quantize_activations(x)
+
+
+def quant_gemm(
+    xq: torch.Tensor,
+    xs: torch.Tensor,
+    weight: QuantizedWeight,
+    bias: torch.Tensor | None = None,
+    isa: str = "auto",
+) -> torch.Tensor:
+    """``y [M, N] = (xq * xs) @ W^T + bias`` from already-quantized activations: ``xq`` int8
+    ``[M, K]`` in [-127, 127] and ``xs`` fp32 ``[M, K / 32]`` (a per-row scale repeated per
+    block is fine). Columns are in the stored order (``weight.perm`` is not applied); the
+    ``mins`` term uses ``xs * sum(xq)`` as each group's activation sum."""
+    return _ops().quant_gemm(
+        xq, xs, weight.qweight, weight.scales, weight.mins, weight.lut,
+        weight.bits, weight.group_size, bias, isa,
+    )  # fmt: skip
+
+
+def quant_linear(
+    x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None, isa: str = "auto"
+) -> torch.Tensor:
+    """fp32 ``x [..., K]`` -> ``[..., N]``, the fused path of ``reference_linear``: one C++ call
+    that gathers ``x[..., perm]`` (act-order), quantizes per 32-block and runs the integer GEMM.
+    The ``mins`` term uses the exact float sum of ``x`` over each group."""
+    return _ops().quant_linear(
+        x, weight.qweight, weight.scales, weight.mins, weight.lut, weight.perm,
+        weight.bits, weight.group_size, bias, isa,
+    )  # fmt: skip
+
+
+def quant_linear_f32(
+    x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """fp32 ``x [M, K]`` -> ``[M, N]`` with float activations (no activation rounding): the
+    weights are decoded in registers and multiplied in fp32; ``perm`` is applied inside."""
+    return _ops().quant_linear_f32(
+        x, weight.qweight, weight.scales, weight.mins, weight.lut, weight.perm,
+        weight.bits, weight.group_size, bias,
+    )  # fmt: skip

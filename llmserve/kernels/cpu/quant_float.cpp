@@ -1,0 +1,311 @@
+// Fused dequantize-matmul with float32 activations (W4A32 / W8A32): the accurate CPU path.
+//
+// The weight values are decoded to float in registers, 32 columns (one packing block) at a
+// time, scaled and shifted by their group's scale and min, and multiplied with float
+// activations: the result is the dequantize-then-matmul reference up to summation order.
+//
+//   decode shape (M < kTileRows): one pass over the weights, each decoded block reused for
+//     every row of x; threads split the output rows N.
+//   prefill shape: threads split N into tiles of kTileN rows; a tile is decoded into a small
+//     float buffer (L2-resident) and multiplied by all of x with ATen's GEMM, single-threaded
+//     inside the tile, so no full float copy of the weight ever exists.
+//
+// No -march: the hot loops are compiled for x86-64-v4 (AVX-512), v3 (AVX2+FMA) and the
+// baseline by GCC's target_clones, which picks one when the library loads.
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <torch/torch.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+constexpr int64_t kTileRows = 16;  // M at and above which the tile + GEMM path runs
+constexpr int64_t kTileN = 64;
+constexpr int kMaxRows = 4;  // rows of x accumulated together in the decode path
+
+#if defined(__x86_64__) && !defined(__clang__)
+#define LLMSERVE_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define LLMSERVE_CLONES
+#endif
+
+struct Weight {
+  const uint8_t* q4 = nullptr;  // bits 4: [N, K/2]
+  const int8_t* q8 = nullptr;   // bits 8: [N, K]
+  const float* scales = nullptr;
+  const float* mins = nullptr;
+  float lut[16];
+  bool has_lut = false;
+  int64_t k = 0, group = 0, groups_per_row = 0;
+};
+
+// Decode block b of row n into out[32] (float, scaled, shifted).
+LLMSERVE_CLONES
+void decode_block(const Weight& w, int64_t n, int64_t b, float* out) {
+  float v[kBlock];
+  if (w.q4 != nullptr) {
+    const uint8_t* p = w.q4 + n * (w.k / 2) + b * 16;
+    if (w.has_lut) {
+      for (int j = 0; j < 16; ++j) {
+        v[j] = w.lut[p[j] & 15];
+        v[j + 16] = w.lut[p[j] >> 4];
+      }
+    } else {
+      for (int j = 0; j < 16; ++j) {
+        v[j] = static_cast<float>(p[j] & 15);
+        v[j + 16] = static_cast<float>(p[j] >> 4);
+      }
+    }
+  } else {
+    const int8_t* p = w.q8 + n * w.k + b * kBlock;
+    for (int j = 0; j < kBlock; ++j) v[j] = static_cast<float>(p[j]);
+  }
+  const int64_t row = n * w.groups_per_row;
+  const int64_t per_group = std::min<int64_t>(w.group, kBlock);  // 16 or 32
+  for (int64_t h = 0; h < kBlock; h += per_group) {
+    const int64_t g = row + (b * kBlock + h) / w.group;
+    const float s = w.scales[g];
+    const float m = w.mins != nullptr ? w.mins[g] : 0.0f;
+    for (int64_t j = h; j < h + per_group; ++j) out[j] = v[j] * s + m;
+  }
+}
+
+// y[m, n] for rows m0..m0+rows of x and output rows [n0, n1): one decode per block.
+// Portable version (lut weights, and CPUs without AVX2).
+void gemv_rows_generic(const Weight& w, const float* x, int64_t m0, int rows, int64_t n0,
+                       int64_t n1, float* y, int64_t n_total) {
+  float wb[kBlock];
+  for (int64_t n = n0; n < n1; ++n) {
+    float acc[kMaxRows][16] = {};
+    for (int64_t b = 0; b < w.k / kBlock; ++b) {
+      decode_block(w, n, b, wb);
+      for (int r = 0; r < rows; ++r) {
+        const float* xr = x + (m0 + r) * w.k + b * kBlock;
+        for (int j = 0; j < 16; ++j) acc[r][j] += wb[j] * xr[j] + wb[j + 16] * xr[j + 16];
+      }
+    }
+    for (int r = 0; r < rows; ++r) {
+      float sum = 0.0f;
+      for (int j = 0; j < 16; ++j) sum += acc[r][j];
+      y[(m0 + r) * n_total + n] = sum;
+    }
+  }
+}
+
+#if defined(__x86_64__)
+// AVX-512: a block of 32 weights is two 16-lane vectors: columns 0..15 and 16..31 (for 4-bit
+// the low and the high nibbles of the block's 16 bytes), each with its group's scale and min.
+template <int R>
+__attribute__((target("avx512f,avx512bw,avx512vl,fma")))
+void gemv_avx512(const Weight& w, const float* x, int64_t m0, int64_t n0, int64_t n1, float* y,
+                 int64_t n_total) {
+  const __m512i low4 = _mm512_set1_epi32(15);
+  for (int64_t n = n0; n < n1; ++n) {
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    const float* sc = w.scales + n * w.groups_per_row;
+    const float* mn = w.mins != nullptr ? w.mins + n * w.groups_per_row : nullptr;
+    for (int64_t b = 0; b < w.k / kBlock; ++b) {
+      __m512 v0, v1;
+      if (w.q4 != nullptr) {
+        const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(w.q4 + n * (w.k / 2) + b * 16)));
+        v0 = _mm512_cvtepi32_ps(_mm512_and_si512(q, low4));
+        v1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4));
+      } else {
+        const int8_t* p = w.q8 + n * w.k + b * kBlock;
+        v0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+        v1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + 16))));
+      }
+      const int64_t g0 = (b * kBlock) / w.group, g1 = (b * kBlock + 16) / w.group;
+      const __m512 m0v = _mm512_set1_ps(mn != nullptr ? mn[g0] : 0.0f);
+      const __m512 m1v = _mm512_set1_ps(mn != nullptr ? mn[g1] : 0.0f);
+      const __m512 w0 = _mm512_fmadd_ps(v0, _mm512_set1_ps(sc[g0]), m0v);
+      const __m512 w1 = _mm512_fmadd_ps(v1, _mm512_set1_ps(sc[g1]), m1v);
+      for (int r = 0; r < R; ++r) {
+        const float* xr = x + (m0 + r) * w.k + b * kBlock;
+        acc[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), acc[r]);
+        acc[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) y[(m0 + r) * n_total + n] = _mm512_reduce_add_ps(acc[r]);
+  }
+}
+
+// AVX2: four 8-lane vectors per block (columns 0..7, 8..15, 16..23, 24..31).
+template <int R>
+__attribute__((target("avx2,fma")))
+void gemv_avx2(const Weight& w, const float* x, int64_t m0, int64_t n0, int64_t n1, float* y,
+               int64_t n_total) {
+  const __m256i low4 = _mm256_set1_epi32(15);
+  for (int64_t n = n0; n < n1; ++n) {
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    const float* sc = w.scales + n * w.groups_per_row;
+    const float* mn = w.mins != nullptr ? w.mins + n * w.groups_per_row : nullptr;
+    for (int64_t b = 0; b < w.k / kBlock; ++b) {
+      __m256 v[4];
+      if (w.q4 != nullptr) {
+        const uint8_t* p = w.q4 + n * (w.k / 2) + b * 16;
+        const __m256i qa = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
+        const __m256i qb = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8)));
+        v[0] = _mm256_cvtepi32_ps(_mm256_and_si256(qa, low4));
+        v[1] = _mm256_cvtepi32_ps(_mm256_and_si256(qb, low4));
+        v[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(qa, 4));
+        v[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(qb, 4));
+      } else {
+        const int8_t* p = w.q8 + n * w.k + b * kBlock;
+        for (int i = 0; i < 4; ++i)
+          v[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8 * i))));
+      }
+      __m256 wv[4];
+      for (int i = 0; i < 4; ++i) {
+        const int64_t g = (b * kBlock + 8 * i) / w.group;
+        wv[i] = _mm256_fmadd_ps(v[i], _mm256_set1_ps(sc[g]), _mm256_set1_ps(mn != nullptr ? mn[g] : 0.0f));
+      }
+      for (int r = 0; r < R; ++r) {
+        const float* xr = x + (m0 + r) * w.k + b * kBlock;
+        for (int i = 0; i < 4; ++i) acc[r] = _mm256_fmadd_ps(wv[i], _mm256_loadu_ps(xr + 8 * i), acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
+      s = _mm_hadd_ps(s, s);
+      s = _mm_hadd_ps(s, s);
+      y[(m0 + r) * n_total + n] = _mm_cvtss_f32(s);
+    }
+  }
+}
+#endif
+
+enum class Path { kGeneric, kAvx2, kAvx512 };
+
+Path pick_path(const Weight& w) {
+#if defined(__x86_64__)
+  if (w.has_lut) return Path::kGeneric;
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) return Path::kAvx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Path::kAvx2;
+#endif
+  return Path::kGeneric;
+}
+
+template <int R>
+void gemv_dispatch(Path path, const Weight& w, const float* x, int64_t m0, int64_t n0, int64_t n1,
+                   float* y, int64_t n_total) {
+#if defined(__x86_64__)
+  if (path == Path::kAvx512) return gemv_avx512<R>(w, x, m0, n0, n1, y, n_total);
+  if (path == Path::kAvx2) return gemv_avx2<R>(w, x, m0, n0, n1, y, n_total);
+#endif
+  gemv_rows_generic(w, x, m0, R, n0, n1, y, n_total);
+}
+
+void gemv_rows(Path path, const Weight& w, const float* x, int64_t m0, int rows, int64_t n0,
+               int64_t n1, float* y, int64_t n_total) {
+  switch (rows) {
+    case 1: return gemv_dispatch<1>(path, w, x, m0, n0, n1, y, n_total);
+    case 2: return gemv_dispatch<2>(path, w, x, m0, n0, n1, y, n_total);
+    case 3: return gemv_dispatch<3>(path, w, x, m0, n0, n1, y, n_total);
+    default: return gemv_dispatch<4>(path, w, x, m0, n0, n1, y, n_total);
+  }
+}
+
+void decode_tile(const Weight& w, int64_t n0, int64_t n1, float* out) {
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t b = 0; b < w.k / kBlock; ++b) decode_block(w, n, b, out + (n - n0) * w.k + b * kBlock);
+}
+
+void check(bool ok, const std::string& what) { TORCH_CHECK(ok, "quant_linear_f32: ", what); }
+
+Weight make_weight(const at::Tensor& qweight, const at::Tensor& scales,
+                   const c10::optional<at::Tensor>& mins, const c10::optional<at::Tensor>& lut,
+                   int64_t bits, int64_t group, int64_t n, int64_t k) {
+  check(bits == 4 || bits == 8, "bits must be 4 or 8, got " + std::to_string(bits));
+  check(k % kBlock == 0, "in_features must be a multiple of 32, got " + std::to_string(k));
+  check(group > 0 && k % group == 0 && (group % kBlock == 0 || (group == 16 && bits == 8)),
+        "group_size must divide in_features and be a multiple of 32 (16 for 8-bit), got " +
+            std::to_string(group));
+  check(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+            scales.numel() == n * (k / group),
+        "scales must be contiguous float32 [N, K / group_size]");
+  Weight w;
+  if (bits == 4) {
+    check(qweight.scalar_type() == at::kByte && qweight.size(1) * 2 == k, "4-bit qweight must be uint8 [N, K/2]");
+    w.q4 = qweight.data_ptr<uint8_t>();
+  } else {
+    check(qweight.scalar_type() == at::kChar && qweight.size(1) == k, "8-bit qweight must be int8 [N, K]");
+    w.q8 = qweight.data_ptr<int8_t>();
+  }
+  check(qweight.is_contiguous(), "qweight must be contiguous");
+  w.scales = scales.data_ptr<float>();
+  if (mins.has_value() && mins->defined()) {
+    check(mins->scalar_type() == at::kFloat && mins->is_contiguous() && mins->numel() == scales.numel(),
+          "mins must be contiguous float32 shaped like scales");
+    w.mins = mins->data_ptr<float>();
+  }
+  if (lut.has_value() && lut->defined()) {
+    check(bits == 4 && lut->numel() == 16 && lut->scalar_type() == at::kChar, "lut must be int8 [16] (4-bit only)");
+    const int8_t* l = lut->data_ptr<int8_t>();
+    for (int i = 0; i < 16; ++i) w.lut[i] = static_cast<float>(l[i]);
+    w.has_lut = true;
+  }
+  w.k = k;
+  w.group = group;
+  w.groups_per_row = k / group;
+  return w;
+}
+
+at::Tensor quant_linear_f32(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& scales,
+                            const c10::optional<at::Tensor>& mins, const c10::optional<at::Tensor>& lut,
+                            const c10::optional<at::Tensor>& perm, int64_t bits, int64_t group,
+                            const c10::optional<at::Tensor>& bias) {
+  check(x_in.scalar_type() == at::kFloat && x_in.dim() == 2, "x must be float32 [M, K]");
+  const int64_t n = qweight.size(0);
+  const int64_t k = x_in.size(1);
+  Weight w = make_weight(qweight, scales, mins, lut, bits, group, n, k);
+  at::Tensor x = (perm.has_value() && perm->defined()) ? x_in.index_select(1, *perm) : x_in.contiguous();
+  const int64_t m = x.size(0);
+  at::Tensor y = at::empty({m, n}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  if (m < kTileRows) {
+    const int64_t grain = std::max<int64_t>(1, 8192 / std::max<int64_t>(k / kBlock, 1));
+    const Path path = pick_path(w);
+    at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
+      for (int64_t m0 = 0; m0 < m; m0 += kMaxRows)
+        gemv_rows(path, w, xp, m0, static_cast<int>(std::min<int64_t>(kMaxRows, m - m0)), n0, n1, yp, n);
+    });
+  } else {
+    const int64_t num_tiles = (n + kTileN - 1) / kTileN;
+    at::parallel_for(0, num_tiles, 1, [&](int64_t t0, int64_t t1) {
+      std::vector<float> buf(kTileN * k);
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t n0 = t * kTileN, n1 = std::min(n, n0 + kTileN);
+        decode_tile(w, n0, n1, buf.data());
+        at::Tensor tile = at::from_blob(buf.data(), {n1 - n0, k}, x.options());
+        // raw copy: worker threads do not inherit InferenceMode, so no in-place ATen op on y
+        const at::Tensor part = at::mm(x, tile.t()).contiguous();  // [M, n1 - n0]
+        const float* pp = part.data_ptr<float>();
+        for (int64_t i = 0; i < m; ++i)
+          std::copy(pp + i * (n1 - n0), pp + (i + 1) * (n1 - n0), yp + i * n + n0);
+      }
+    });
+  }
+  if (bias.has_value() && bias->defined()) y.add_(*bias);
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(llmserve_quant, m) {
+  m.def(
+      "quant_linear_f32(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, Tensor? lut, "
+      "Tensor? perm, int bits, int group_size, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(llmserve_quant, CPU, m) { m.impl("quant_linear_f32", &quant_linear_f32); }

@@ -1,0 +1,389 @@
+// SIMD tiles of the quantized GEMM (quant_gemm.cpp): y[m, n] for R output rows x MT activation
+// rows at a time, with int8 activations against 4- or 8-bit weights.
+//
+// Both ISA paths walk K in "pairs" of two 32-column blocks (64 columns), and read activations
+// that quant_gemm.cpp laid out per pair in the register order of the weights:
+//
+//   8-bit weights: bytes 0..63 = columns 64p .. 64p+63 (natural order)
+//   4-bit weights: the 32 packed bytes of blocks 2p, 2p+1, low nibbles then high nibbles:
+//       bytes  0..15 block 2p   cols 0..15   |  bytes 32..47 block 2p   cols 16..31
+//       bytes 16..31 block 2p+1 cols 0..15   |  bytes 48..63 block 2p+1 cols 16..31
+//
+// so a weight vector needs no shuffle across lanes. An int32 lane of a dot product covers 4
+// bytes; per lane, xsv holds the activation block scale and WeightScale builds the weight
+// group scale, so the float step is acc += float(dot) * (ws * xs) on whole vectors. With an
+// odd number of blocks the last pair is half padding: zero activations and scales.
+//
+//   avx512_vnni  vpdpbusd (u8 x s8, 4 products per int32 lane). The weight is the u8 operand:
+//                4-bit codes as they are; 8-bit values and lut values + 128 (xor 0x80), and
+//                the dot starts from corr = -128 * sum(xq) of the lane to take the offset out.
+//   avx2         vpmaddubsw + vpmaddwd. 4-bit codes (<= 15) as the u8 operand directly; signed
+//                values (8-bit, lut) by llama.cpp's sign trick: maddubs(|w|, sign(x, w)), whose
+//                pairs stay within int16 (2 * 128 * 127 <= 32767) as long as xq != -128.
+//                4-bit: both 32-byte halves of a pair map lane j to the same block, so their
+//                dots add before one float step per pair (8-bit: one per half = block).
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+#define LLMSERVE_AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
+#define LLMSERVE_AVX512_TARGET \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+
+namespace llmserve_quant {
+
+enum class Mode { kCodes4, kLut4, kInt8 };  // 4-bit codes as values, 4-bit through lut, int8
+
+struct WeightView {
+  const uint8_t* q;      // row n starts at q + n * row_bytes
+  int64_t row_bytes;     // K (8-bit) or K / 2 (4-bit)
+  const float* scales;   // [N, num_groups]
+  const float* mins;     // [N, num_groups] or nullptr
+  const int8_t* lut;     // [16] or nullptr
+  const float* bias;     // [N] or nullptr
+  int64_t num_groups;
+};
+
+struct ActView {
+  const int8_t* xq;      // [M, 64 * num_pairs] pair layout above
+  const float* xsv;      // [M, 16 * num_pairs] block scale per int32 lane (0 in padding)
+  const int32_t* corr;   // [M, 16 * num_pairs] -128 * sum of the lane's 4 xq
+  const float* gsum;     // [M, num_groups] sum of x over each weight group (with mins)
+  int64_t num_pairs;
+  bool odd_blocks;       // the last pair holds one block
+};
+
+// Where each pair's weight scales are: the 16 lanes read scales[n, base[p] + idx[p][lane]],
+// idx in 0..3 (a pair spans at most 4 groups of 16 columns), count[p] of them in bounds.
+struct PairTable {
+  const int32_t* base;   // [num_pairs]
+  const int32_t* count;  // [num_pairs] 1..4
+  const int32_t* idx;    // [num_pairs, 16]
+};
+
+// ---------------------------------------------------------------------------------------------
+// AVX-512 VNNI
+
+template <Mode kMode>
+LLMSERVE_AVX512_TARGET inline __m512i load_weights512(const uint8_t* row, int64_t p, bool half,
+                                                      __m512i lut) {
+  if constexpr (kMode == Mode::kInt8) {
+    const __m512i v = half ? _mm512_maskz_loadu_epi8(0xFFFFFFFFull, row + 64 * p)
+                           : _mm512_loadu_si512(row + 64 * p);
+    return _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80)));
+  } else {
+    const __m256i v = half ? _mm256_maskz_loadu_epi8(0xFFFFu, row + 32 * p)
+                           : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * p));
+    const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1);
+    const __m512i codes = _mm512_and_si512(both, _mm512_set1_epi8(0x0F));
+    if constexpr (kMode == Mode::kLut4) return _mm512_shuffle_epi8(lut, codes);
+    return codes;
+  }
+}
+
+LLMSERVE_AVX512_TARGET inline __m512 weight_scales512(const float* row, const PairTable& t,
+                                                      int64_t p) {
+  const __mmask8 mask = static_cast<__mmask8>((1u << t.count[p]) - 1);
+  const __m128 four = _mm_maskz_loadu_ps(mask, row + t.base[p]);
+  const __m512i idx = _mm512_loadu_si512(t.idx + 16 * p);
+  return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(four));
+}
+
+// acc += mins[n, :] . gsum[m, :]
+LLMSERVE_AVX512_TARGET inline __m512 mins_dot512(__m512 acc, const float* mins, const float* gsum,
+                                                 int64_t num_groups) {
+  for (int64_t g = 0; g < num_groups; g += 16) {
+    const int64_t left = num_groups - g;
+    const __mmask16 mask = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, mins + g),
+                          _mm512_maskz_loadu_ps(mask, gsum + g), acc);
+  }
+  return acc;
+}
+
+// y[m0 + i, n0 + r] (row stride ldy) for r < R, i < MT
+template <Mode kMode, int R, int MT>
+LLMSERVE_AVX512_TARGET void tile512(const WeightView& w, const ActView& a, const PairTable& t,
+                                    int64_t n0, int64_t m0, float* y, int64_t ldy) {
+  constexpr bool kOffset = kMode != Mode::kCodes4;
+  __m512 acc[R][MT];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < MT; ++i) acc[r][i] = _mm512_setzero_ps();
+  __m512i lut = _mm512_setzero_si512();
+  if constexpr (kMode == Mode::kLut4) {
+    const __m128i l = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.lut));
+    lut = _mm512_broadcast_i32x4(_mm_xor_si128(l, _mm_set1_epi8(static_cast<char>(0x80))));
+  }
+  const int64_t xq_stride = 64 * a.num_pairs, lane_stride = 16 * a.num_pairs;
+  for (int64_t p = 0; p < a.num_pairs; ++p) {
+    const bool half = a.odd_blocks && p == a.num_pairs - 1;
+    __m512i wv[R];
+    __m512 ws[R];
+    for (int r = 0; r < R; ++r) {
+      wv[r] = load_weights512<kMode>(w.q + (n0 + r) * w.row_bytes, p, half, lut);
+      ws[r] = weight_scales512(w.scales + (n0 + r) * w.num_groups, t, p);
+    }
+    for (int i = 0; i < MT; ++i) {
+      const int64_t m = m0 + i;
+      const __m512i xv = _mm512_loadu_si512(a.xq + m * xq_stride + 64 * p);
+      const __m512 xs = _mm512_loadu_ps(a.xsv + m * lane_stride + 16 * p);
+      const __m512i start =
+          kOffset ? _mm512_loadu_si512(a.corr + m * lane_stride + 16 * p) : _mm512_setzero_si512();
+      for (int r = 0; r < R; ++r) {
+        const __m512i dot = _mm512_dpbusd_epi32(start, wv[r], xv);
+        acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(ws[r], xs), acc[r][i]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const int64_t n = n0 + r;
+    for (int i = 0; i < MT; ++i) {
+      __m512 v = acc[r][i];
+      if (w.mins != nullptr)
+        v = mins_dot512(v, w.mins + n * w.num_groups, a.gsum + (m0 + i) * w.num_groups, w.num_groups);
+      y[(m0 + i) * ldy + n] = _mm512_reduce_add_ps(v) + (w.bias ? w.bias[n] : 0.f);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// AVX2 + FMA: the same walk, a pair as two 32-byte halves h (lanes 8h .. 8h+7)
+
+LLMSERVE_AVX2_TARGET inline float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// the signed values (kInt8, kLut4) or codes (kCodes4) of half h of pair p
+template <Mode kMode>
+LLMSERVE_AVX2_TARGET inline __m256i load_weights256(const uint8_t* row, int64_t p, int h,
+                                                    bool half, __m256i lut) {
+  if constexpr (kMode == Mode::kInt8) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 64 * p + 32 * h));
+  } else {
+    const __m256i v =
+        half ? _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 32 * p)))
+             : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * p));
+    const __m256i codes = _mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(0x0F));
+    if constexpr (kMode == Mode::kLut4) return _mm256_shuffle_epi8(lut, codes);
+    return codes;
+  }
+}
+
+LLMSERVE_AVX2_TARGET inline void weight_scales256(const float* row, const PairTable& t, int64_t p,
+                                                  __m256* lo, __m256* hi) {
+  const __m128i lanes = _mm_setr_epi32(0, 1, 2, 3);
+  const __m128i mask = _mm_cmpgt_epi32(_mm_set1_epi32(t.count[p]), lanes);
+  const __m256 four = _mm256_castps128_ps256(_mm_maskload_ps(row + t.base[p], mask));
+  const int32_t* idx = t.idx + 16 * p;
+  *lo = _mm256_permutevar8x32_ps(four, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(idx)));
+  *hi = _mm256_permutevar8x32_ps(four, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(idx + 8)));
+}
+
+LLMSERVE_AVX2_TARGET inline __m256 mins_dot256(__m256 acc, const float* mins, const float* gsum,
+                                               int64_t num_groups) {
+  int64_t g = 0;
+  for (; g + 8 <= num_groups; g += 8)
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(mins + g), _mm256_loadu_ps(gsum + g), acc);
+  alignas(32) float tail[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int64_t j = g; j < num_groups; ++j) tail[j - g] = mins[j] * gsum[j];
+  return _mm256_add_ps(acc, _mm256_load_ps(tail));
+}
+
+template <Mode kMode, int R, int MT>
+LLMSERVE_AVX2_TARGET void tile256(const WeightView& w, const ActView& a, const PairTable& t,
+                                  int64_t n0, int64_t m0, float* y, int64_t ldy) {
+  __m256 acc[R][MT];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < MT; ++i) acc[r][i] = _mm256_setzero_ps();
+  __m256i lut = _mm256_setzero_si256();
+  if constexpr (kMode == Mode::kLut4)
+    lut = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.lut)));
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int64_t xq_stride = 64 * a.num_pairs, lane_stride = 16 * a.num_pairs;
+  for (int64_t p = 0; p < a.num_pairs; ++p) {
+    const bool half = a.odd_blocks && p == a.num_pairs - 1;
+    __m256 ws[R][2];
+    for (int r = 0; r < R; ++r)
+      weight_scales256(w.scales + (n0 + r) * w.num_groups, t, p, &ws[r][0], &ws[r][1]);
+    if constexpr (kMode == Mode::kInt8) {
+      for (int h = 0; h < (half ? 1 : 2); ++h) {
+        __m256i wv[R];
+        for (int r = 0; r < R; ++r) wv[r] = load_weights256<kMode>(w.q + (n0 + r) * w.row_bytes, p, h, half, lut);
+        for (int i = 0; i < MT; ++i) {
+          const int64_t m = m0 + i;
+          const __m256i xv =
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.xq + m * xq_stride + 64 * p + 32 * h));
+          const __m256 xs = _mm256_loadu_ps(a.xsv + m * lane_stride + 16 * p + 8 * h);
+          for (int r = 0; r < R; ++r) {
+            const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(wv[r]), _mm256_sign_epi8(xv, wv[r]));
+            const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+            acc[r][i] = _mm256_fmadd_ps(dot, _mm256_mul_ps(ws[r][h], xs), acc[r][i]);
+          }
+        }
+      }
+    } else {
+      // 4-bit: lane j of both halves reads the same block (nibble order) with G >= 32, so the
+      // two halves' int32 dots add up before the one float step
+      __m256i lo[R], hi[R];
+      for (int r = 0; r < R; ++r) {
+        lo[r] = load_weights256<kMode>(w.q + (n0 + r) * w.row_bytes, p, 0, half, lut);
+        hi[r] = load_weights256<kMode>(w.q + (n0 + r) * w.row_bytes, p, 1, half, lut);
+      }
+      for (int i = 0; i < MT; ++i) {
+        const int64_t m = m0 + i;
+        const int8_t* xq = a.xq + m * xq_stride + 64 * p;
+        const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
+        const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32));
+        const __m256 xs = _mm256_loadu_ps(a.xsv + m * lane_stride + 16 * p);
+        for (int r = 0; r < R; ++r) {
+          __m256i dot;
+          if constexpr (kMode == Mode::kCodes4) {  // |pair| <= 2 * 15 * 127: two of them fit int16
+            dot = _mm256_madd_epi16(
+                _mm256_add_epi16(_mm256_maddubs_epi16(lo[r], x0), _mm256_maddubs_epi16(hi[r], x1)), ones);
+          } else {
+            const __m256i d0 = _mm256_maddubs_epi16(_mm256_abs_epi8(lo[r]), _mm256_sign_epi8(x0, lo[r]));
+            const __m256i d1 = _mm256_maddubs_epi16(_mm256_abs_epi8(hi[r]), _mm256_sign_epi8(x1, hi[r]));
+            dot = _mm256_add_epi32(_mm256_madd_epi16(d0, ones), _mm256_madd_epi16(d1, ones));
+          }
+          acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(ws[r][0], xs), acc[r][i]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const int64_t n = n0 + r;
+    for (int i = 0; i < MT; ++i) {
+      __m256 v = acc[r][i];
+      if (w.mins != nullptr)
+        v = mins_dot256(v, w.mins + n * w.num_groups, a.gsum + (m0 + i) * w.num_groups, w.num_groups);
+      y[(m0 + i) * ldy + n] = hsum256(v) + (w.bias ? w.bias[n] : 0.f);
+    }
+  }
+}
+
+}  // namespace llmserve_quant
+
+// ---------------------------------------------------------------------------------------------
+// Activation quantization straight into the pair layout. Bit for bit the xq / xs of the
+// portable quantize_row (quant_gemm.cpp): exact absmax, one multiply by 127 / absmax, a clamp,
+// round half to even (the default MXCSR mode of cvtps2dq). gsum: float sums per weight group.
+
+namespace llmserve_quant {
+
+struct PairOut {
+  int8_t* xq;        // [64 * num_pairs]
+  float* xsv;        // [16 * num_pairs]
+  int32_t* corr;     // [16 * num_pairs] or nullptr
+  float* gsum;       // [num_groups] (zeroed) or nullptr
+  int64_t group_size;
+};
+
+LLMSERVE_AVX512_TARGET inline float block_scale512(__m512 a, __m512 b, float* inv) {
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  *inv = amax > 0.f ? 127.f / amax : 0.f;
+  return amax / 127.f;
+}
+
+LLMSERVE_AVX512_TARGET inline __m128i quantize16(__m512 v, float inv) {
+  const __m512 t = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(v, _mm512_set1_ps(inv)),
+                                               _mm512_set1_ps(-127.f)), _mm512_set1_ps(127.f));
+  return _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(t));
+}
+
+// one activation row x [K] (K = 32 * num_blocks) into out
+LLMSERVE_AVX512_TARGET inline void quantize_pairs512(const float* x, int64_t num_blocks, bool nibbles,
+                                                     const PairOut& out) {
+  for (int64_t p = 0; 2 * p < num_blocks; ++p) {
+    const bool both = 2 * p + 1 < num_blocks;
+    const float* xp = x + 64 * p;
+    const __m512 v0 = _mm512_loadu_ps(xp), v1 = _mm512_loadu_ps(xp + 16);
+    const __m512 v2 = both ? _mm512_loadu_ps(xp + 32) : _mm512_setzero_ps();
+    const __m512 v3 = both ? _mm512_loadu_ps(xp + 48) : _mm512_setzero_ps();
+    float inv0, inv1;
+    const float d0 = block_scale512(v0, v1, &inv0), d1 = block_scale512(v2, v3, &inv1);
+    __m512i q = _mm512_castsi128_si512(quantize16(v0, inv0));
+    q = _mm512_inserti32x4(q, quantize16(v1, inv0), 1);
+    q = _mm512_inserti32x4(q, quantize16(v2, inv1), 2);
+    q = _mm512_inserti32x4(q, quantize16(v3, inv1), 3);
+    if (nibbles) q = _mm512_shuffle_i64x2(q, q, _MM_SHUFFLE(3, 1, 2, 0));  // b0 lo, b1 lo, b0 hi, b1 hi
+    _mm512_storeu_si512(out.xq + 64 * p, q);
+    const __mmask16 second = nibbles ? 0xF0F0 : 0xFF00;
+    _mm512_storeu_ps(out.xsv + 16 * p, _mm512_mask_blend_ps(second, _mm512_set1_ps(d0), _mm512_set1_ps(d1)));
+    if (out.corr) {
+      const __m512i sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(1), q);
+      _mm512_storeu_si512(out.corr + 16 * p, _mm512_mullo_epi32(sums, _mm512_set1_epi32(-128)));
+    }
+    if (out.gsum) {
+      const __m512 halves[4] = {v0, v1, v2, v3};
+      for (int h = 0; h < (both ? 4 : 2); ++h)
+        out.gsum[(64 * p + 16 * h) / out.group_size] += _mm512_reduce_add_ps(halves[h]);
+    }
+  }
+}
+
+LLMSERVE_AVX2_TARGET inline __m256i quantize32_256(const float* x, float* scale) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 v[4], m = _mm256_setzero_ps();
+  for (int j = 0; j < 4; ++j) {
+    v[j] = _mm256_loadu_ps(x + 8 * j);
+    m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[j]));
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  *scale = amax / 127.f;
+  __m256i q[4];
+  for (int j = 0; j < 4; ++j) {
+    const __m256 t = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(v[j], _mm256_set1_ps(inv)),
+                                                 _mm256_set1_ps(-127.f)), _mm256_set1_ps(127.f));
+    q[j] = _mm256_cvtps_epi32(t);
+  }
+  const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+  return _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+LLMSERVE_AVX2_TARGET inline float sum32_256(const float* x) {
+  const __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(x), _mm256_loadu_ps(x + 8)),
+                                 _mm256_add_ps(_mm256_loadu_ps(x + 16), _mm256_loadu_ps(x + 24)));
+  return hsum256(s);
+}
+
+// as quantize_pairs512, without corr (the AVX2 tiles use the sign trick)
+LLMSERVE_AVX2_TARGET inline void quantize_pairs256(const float* x, int64_t num_blocks, bool nibbles,
+                                                   const PairOut& out) {
+  for (int64_t p = 0; 2 * p < num_blocks; ++p) {
+    const bool both = 2 * p + 1 < num_blocks;
+    float d0, d1 = 0.f;
+    const __m256i b0 = quantize32_256(x + 64 * p, &d0);
+    const __m256i b1 = both ? quantize32_256(x + 64 * p + 32, &d1) : _mm256_setzero_si256();
+    __m256i h0 = b0, h1 = b1;
+    if (nibbles) {
+      h0 = _mm256_permute2x128_si256(b0, b1, 0x20);
+      h1 = _mm256_permute2x128_si256(b0, b1, 0x31);
+    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.xq + 64 * p), h0);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.xq + 64 * p + 32), h1);
+    const __m256 s0 = _mm256_set1_ps(d0), s1 = _mm256_set1_ps(d1);
+    const __m256 mixed = _mm256_blend_ps(s0, s1, 0xF0);
+    _mm256_storeu_ps(out.xsv + 16 * p, nibbles ? mixed : s0);
+    _mm256_storeu_ps(out.xsv + 16 * p + 8, nibbles ? mixed : s1);
+    if (!out.gsum) continue;
+    for (int64_t b = 2 * p; b < 2 * p + (both ? 2 : 1); ++b) {
+      const float* xb = x + 32 * b;
+      if (out.group_size == 16) {
+        out.gsum[2 * b] += hsum256(_mm256_add_ps(_mm256_loadu_ps(xb), _mm256_loadu_ps(xb + 8)));
+        out.gsum[2 * b + 1] += hsum256(_mm256_add_ps(_mm256_loadu_ps(xb + 16), _mm256_loadu_ps(xb + 24)));
+      } else {
+        out.gsum[32 * b / out.group_size] += sum32_256(xb);
+      }
+    }
+  }
+}
+
+}  // namespace llmserve_quant
