@@ -140,11 +140,11 @@ def quant_linear(
 
 
 def quant_linear_f32(
-    x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None
+    x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None, isa: str = "auto"
 ) -> torch.Tensor:
     """fp32 ``x [M, K]`` -> ``[M, N]`` with float activations (no activation rounding): the
     weights are decoded in registers and multiplied in fp32; ``perm`` is applied inside."""
     return _ops().quant_linear_f32(
         x, weight.qweight, weight.scales, weight.mins, weight.lut, weight.perm,
-        weight.bits, weight.group_size, bias,
+        weight.bits, weight.group_size, bias, isa,
     )  # fmt: skip

@@ -101,17 +101,35 @@ void gemv_rows_generic(const Weight& w, const float* x, int64_t m0, int rows, in
 #if defined(__x86_64__)
 // AVX-512: a block of 32 weights is two 16-lane vectors: columns 0..15 and 16..31 (for 4-bit
 // the low and the high nibbles of the block's 16 bytes), each with its group's scale and min.
+// Scale and min of the two 16-column halves of block b: one group for G >= 32, two for G 16.
+struct HalfScales {
+  float s0, s1, m0, m1;
+};
+
+inline HalfScales half_scales(const float* sc, const float* mn, int64_t b, int64_t bpg) {
+  const int64_t g0 = bpg > 0 ? b / bpg : 2 * b;  // bpg: blocks per group (0 for G = 16)
+  const int64_t g1 = bpg > 0 ? g0 : g0 + 1;
+  return {sc[g0], sc[g1], mn != nullptr ? mn[g0] : 0.0f, mn != nullptr ? mn[g1] : 0.0f};
+}
+
 template <int R>
 __attribute__((target("avx512f,avx512bw,avx512vl,fma")))
 void gemv_avx512(const Weight& w, const float* x, int64_t m0, int64_t n0, int64_t n1, float* y,
                  int64_t n_total) {
   const __m512i low4 = _mm512_set1_epi32(15);
+  const int64_t num_blocks = w.k / kBlock;
+  const int64_t bpg = w.group >= kBlock ? w.group / kBlock : 0;
   for (int64_t n = n0; n < n1; ++n) {
     __m512 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     const float* sc = w.scales + n * w.groups_per_row;
     const float* mn = w.mins != nullptr ? w.mins + n * w.groups_per_row : nullptr;
-    for (int64_t b = 0; b < w.k / kBlock; ++b) {
+    HalfScales hs = half_scales(sc, mn, 0, bpg);
+    for (int64_t b = 0, in_group = 0; b < num_blocks; ++b, ++in_group) {
+      if (bpg == 0 || in_group == bpg) {  // a new group starts: no division per block
+        hs = half_scales(sc, mn, b, bpg);
+        in_group = 0;
+      }
       __m512 v0, v1;
       if (w.q4 != nullptr) {
         const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(w.q4 + n * (w.k / 2) + b * 16)));
@@ -122,11 +140,8 @@ void gemv_avx512(const Weight& w, const float* x, int64_t m0, int64_t n0, int64_
         v0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
         v1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + 16))));
       }
-      const int64_t g0 = (b * kBlock) / w.group, g1 = (b * kBlock + 16) / w.group;
-      const __m512 m0v = _mm512_set1_ps(mn != nullptr ? mn[g0] : 0.0f);
-      const __m512 m1v = _mm512_set1_ps(mn != nullptr ? mn[g1] : 0.0f);
-      const __m512 w0 = _mm512_fmadd_ps(v0, _mm512_set1_ps(sc[g0]), m0v);
-      const __m512 w1 = _mm512_fmadd_ps(v1, _mm512_set1_ps(sc[g1]), m1v);
+      const __m512 w0 = _mm512_fmadd_ps(v0, _mm512_set1_ps(hs.s0), _mm512_set1_ps(hs.m0));
+      const __m512 w1 = _mm512_fmadd_ps(v1, _mm512_set1_ps(hs.s1), _mm512_set1_ps(hs.m1));
       for (int r = 0; r < R; ++r) {
         const float* xr = x + (m0 + r) * w.k + b * kBlock;
         acc[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), acc[r]);
@@ -143,12 +158,15 @@ __attribute__((target("avx2,fma")))
 void gemv_avx2(const Weight& w, const float* x, int64_t m0, int64_t n0, int64_t n1, float* y,
                int64_t n_total) {
   const __m256i low4 = _mm256_set1_epi32(15);
+  const int64_t num_blocks = w.k / kBlock;
+  const int64_t bpg = w.group >= kBlock ? w.group / kBlock : 0;
   for (int64_t n = n0; n < n1; ++n) {
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     const float* sc = w.scales + n * w.groups_per_row;
     const float* mn = w.mins != nullptr ? w.mins + n * w.groups_per_row : nullptr;
-    for (int64_t b = 0; b < w.k / kBlock; ++b) {
+    HalfScales hs = half_scales(sc, mn, 0, bpg);
+    for (int64_t b = 0, in_group = 0; b < num_blocks; ++b, ++in_group) {
       __m256 v[4];
       if (w.q4 != nullptr) {
         const uint8_t* p = w.q4 + n * (w.k / 2) + b * 16;
@@ -163,10 +181,14 @@ void gemv_avx2(const Weight& w, const float* x, int64_t m0, int64_t n0, int64_t 
         for (int i = 0; i < 4; ++i)
           v[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8 * i))));
       }
+      if (bpg == 0 || in_group == bpg) {
+        hs = half_scales(sc, mn, b, bpg);
+        in_group = 0;
+      }
       __m256 wv[4];
       for (int i = 0; i < 4; ++i) {
-        const int64_t g = (b * kBlock + 8 * i) / w.group;
-        wv[i] = _mm256_fmadd_ps(v[i], _mm256_set1_ps(sc[g]), _mm256_set1_ps(mn != nullptr ? mn[g] : 0.0f));
+        const bool high = i >= 2;
+        wv[i] = _mm256_fmadd_ps(v[i], _mm256_set1_ps(high ? hs.s1 : hs.s0), _mm256_set1_ps(high ? hs.m1 : hs.m0));
       }
       for (int r = 0; r < R; ++r) {
         const float* xr = x + (m0 + r) * w.k + b * kBlock;
@@ -185,13 +207,21 @@ void gemv_avx2(const Weight& w, const float* x, int64_t m0, int64_t n0, int64_t 
 
 enum class Path { kGeneric, kAvx2, kAvx512 };
 
-Path pick_path(const Weight& w) {
+// isa: "auto" (the best this CPU runs), "avx512", "avx2" or "scalar" (tests force each one).
+Path pick_path(const Weight& w, const std::string& isa) {
+  bool has512 = false, has2 = false;
 #if defined(__x86_64__)
-  if (w.has_lut) return Path::kGeneric;
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) return Path::kAvx512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Path::kAvx2;
+  has512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+  has2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 #endif
+  TORCH_CHECK(isa == "auto" || isa == "avx512" || isa == "avx2" || isa == "scalar",
+              "quant_linear_f32: isa must be auto, avx512, avx2 or scalar, got ", isa);
+  TORCH_CHECK(isa != "avx512" || has512, "quant_linear_f32: this CPU has no AVX-512");
+  TORCH_CHECK(isa != "avx2" || has2, "quant_linear_f32: this CPU has no AVX2/FMA");
+  if (w.has_lut || isa == "scalar") return Path::kGeneric;
+  if (has512 && isa != "avx2") return Path::kAvx512;
+  if (has2) return Path::kAvx2;
   return Path::kGeneric;
 }
 
@@ -263,7 +293,7 @@ Weight make_weight(const at::Tensor& qweight, const at::Tensor& scales,
 at::Tensor quant_linear_f32(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& scales,
                             const c10::optional<at::Tensor>& mins, const c10::optional<at::Tensor>& lut,
                             const c10::optional<at::Tensor>& perm, int64_t bits, int64_t group,
-                            const c10::optional<at::Tensor>& bias) {
+                            const c10::optional<at::Tensor>& bias, const std::string& isa) {
   check(x_in.scalar_type() == at::kFloat && x_in.dim() == 2, "x must be float32 [M, K]");
   const int64_t n = qweight.size(0);
   const int64_t k = x_in.size(1);
@@ -275,7 +305,7 @@ at::Tensor quant_linear_f32(const at::Tensor& x_in, const at::Tensor& qweight, c
   float* yp = y.data_ptr<float>();
   if (m < kTileRows) {
     const int64_t grain = std::max<int64_t>(1, 8192 / std::max<int64_t>(k / kBlock, 1));
-    const Path path = pick_path(w);
+    const Path path = pick_path(w, isa);
     at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
       for (int64_t m0 = 0; m0 < m; m0 += kMaxRows)
         gemv_rows(path, w, xp, m0, static_cast<int>(std::min<int64_t>(kMaxRows, m - m0)), n0, n1, yp, n);
@@ -305,7 +335,7 @@ at::Tensor quant_linear_f32(const at::Tensor& x_in, const at::Tensor& qweight, c
 TORCH_LIBRARY_FRAGMENT(llmserve_quant, m) {
   m.def(
       "quant_linear_f32(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, Tensor? lut, "
-      "Tensor? perm, int bits, int group_size, Tensor? bias) -> Tensor");
+      "Tensor? perm, int bits, int group_size, Tensor? bias, str isa=\"auto\") -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(llmserve_quant, CPU, m) { m.impl("quant_linear_f32", &quant_linear_f32); }
