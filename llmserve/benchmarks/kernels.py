@@ -6,10 +6,12 @@ For each linear shape of SmolLM2-135M, at decode (M = 1) and prefill (M = 256) b
     torch int8/ch     torch._weight_int8pack_mm (int8 per-channel weights)
     torch int4 g32    aten._weight_int4pack_mm_for_cpu (4-bit, group 32, scale + zero; and
                       group 128 where K allows)
-    ours q8_0         llmserve quant_linear, 8-bit, G = 32 (GGUF Q8_0)
-    ours int8/ch      llmserve quant_linear, 8-bit, G = K (per channel)
-    ours q4_1         llmserve quant_linear, 4-bit, G = 32 with mins (GGUF Q4_1)
-    ours q4 g128      llmserve quant_linear, 4-bit, G = 128 with mins (GPTQ-like; K % 128 == 0)
+    ours q8_0         llmserve quant_linear (int8 activations), 8-bit, G = 32 (GGUF Q8_0)
+    ours int8/ch      llmserve quant_linear (int8 activations), 8-bit, G = K (per channel)
+    ours q4_1         llmserve quant_linear (int8 activations), 4-bit, G = 32 with mins (Q4_1)
+    ours q4 g128      llmserve quant_linear (int8 activations), 4-bit, G = 128 with mins
+                      (GPTQ-like; K % 128 == 0)
+    f32 q8_0, f32 q4_1  llmserve quant_linear_f32 (float activations: the engine's default)
 
 Reported per call: microseconds, and GB/s of weight bytes (weights plus scales/mins) read,
 the figure that matters at decode, where a matmul streams its weights once. Weights and
@@ -98,13 +100,18 @@ def _kernels(n: int, k: int, isa: str) -> dict[str, tuple[Callable, int]]:
     if k % 128 == 0:  # group 128 needs K divisible by it (SmolLM2: only the down projection)
         kernels["torch int4 g128"] = _torch_int4(n, k, 128)
         ours["ours q4 g128"] = (4, 128, True)
-    if quant.available():
-        for name, (bits, group_size, mins) in ours.items():
-            weight = _random_quantized(n, k, bits, group_size, mins)
-            kernels[name] = (
-                lambda x, w=weight: quant.quant_linear(x, w, isa=isa),
-                weight.nbytes,
-            )
+    if not quant.available():
+        return kernels
+    for name, (bits, group_size, mins) in ours.items():
+        weight = _random_quantized(n, k, bits, group_size, mins)
+        kernels[name] = (lambda x, w=weight: quant.quant_linear(x, w, isa=isa), weight.nbytes)
+    f32_isa = {"avx512_vnni": "avx512"}.get(isa, isa)  # the float kernel needs no VNNI
+    for name, (bits, mins) in {"f32 q8_0": (8, False), "f32 q4_1": (4, True)}.items():
+        weight = _random_quantized(n, k, bits, 32, mins)
+        kernels[name] = (
+            lambda x, w=weight: quant.quant_linear_f32(x, w, isa=f32_isa),
+            weight.nbytes,
+        )
     return kernels
 
 

@@ -62,20 +62,16 @@ def run_llmserve_once(engine, prompt_ids: list[int], output_len: int) -> dict[st
 
 
 def run_llama_cpp_once(llm, prompt_ids: list[int], output_len: int, banned: list[int]):
-    import numpy as np
-
-    def ban_eos(input_ids, scores):  # scores: [vocab] numpy
-        scores[banned] = -np.inf
-        return scores
-
     import llama_cpp
+
+    from llmserve.benchmarks.peers import ban_tokens
 
     start = time.perf_counter()
     first = None
     num_tokens = 0
     stream = llm.create_completion(
         prompt=prompt_ids, max_tokens=output_len, temperature=0.0, top_k=1, stream=True,
-        repeat_penalty=1.0, logits_processor=llama_cpp.LogitsProcessorList([ban_eos]),
+        repeat_penalty=1.0, logits_processor=ban_tokens(llama_cpp, banned),
     )  # fmt: skip
     for _ in stream:
         num_tokens += 1
@@ -101,9 +97,9 @@ def bench_llmserve(kwargs: dict[str, Any], prompt_ids, output_len, num_iters) ->
 
 
 def bench_llama_cpp(model, prompt_ids, output_len, num_iters, eos_ids) -> dict[str, Any]:
-    from llmserve.benchmarks.peers import _load_llama_cpp
+    from llmserve.benchmarks.peers import load_llama_cpp
 
-    _, llm = _load_llama_cpp(model, "cpu", len(prompt_ids) + output_len + 8)
+    _, llm = load_llama_cpp(model, "cpu", len(prompt_ids) + output_len + 8)
     banned = sorted(eos_ids | {llm.token_eos()})
     run_llama_cpp_once(llm, prompt_ids, 8, banned)
     runs = [run_llama_cpp_once(llm, prompt_ids, output_len, banned) for _ in range(num_iters)]

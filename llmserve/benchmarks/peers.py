@@ -210,7 +210,7 @@ def _cb_generate(manager, requests: Sequence[BenchRequest], prefix: str, bar) ->
     return num_output
 
 
-def _load_llama_cpp(model: str | None, device: str, n_ctx: int):
+def load_llama_cpp(model: str | None, device: str, n_ctx: int):
     """(the llama_cpp module, a Llama on the model's GGUF file), or BackendUnavailable."""
     try:
         import llama_cpp
@@ -238,6 +238,17 @@ def _load_llama_cpp(model: str | None, device: str, n_ctx: int):
     return llama_cpp, llm
 
 
+def ban_tokens(llama_cpp, banned: list[int]):
+    """A llama-cpp logits processor list that never samples ``banned`` (EOS: exact lengths)."""
+    import numpy as np
+
+    def ban(input_ids, scores):  # scores: [vocab] numpy
+        scores[banned] = -np.inf
+        return scores
+
+    return llama_cpp.LogitsProcessorList([ban])
+
+
 def run_llama_cpp(
     requests: Sequence[BenchRequest],
     model: str | None,
@@ -247,18 +258,13 @@ def run_llama_cpp(
     use_tqdm: bool = True,
 ) -> dict:
     """llama-cpp-python on the GGUF file, one request after the other; EOS tokens banned."""
-    import numpy as np
 
     n_ctx = max(r.prompt_len + r.output_len for r in requests) + 8
-    llama_cpp, llm = _load_llama_cpp(model, device, n_ctx)
+    llama_cpp, llm = load_llama_cpp(model, device, n_ctx)
     banned = sorted(banned_ids | {llm.token_eos()})
     llm.create_completion(prompt=requests[0].prompt_token_ids[:8], max_tokens=2)  # warm-up
 
-    def ban_eos(input_ids, scores):  # scores: [vocab] numpy
-        scores[banned] = -np.inf
-        return scores
-
-    processors = llama_cpp.LogitsProcessorList([ban_eos])
+    processors = ban_tokens(llama_cpp, banned)
     bar = tqdm(total=len(requests), desc="llama-cpp", unit="req", disable=not use_tqdm)
     num_output = 0
     start = time.perf_counter()

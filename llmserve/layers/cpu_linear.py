@@ -37,7 +37,5 @@ def pack_linear_layers(model: nn.Module, batch_size_hint: int = 64) -> int:
     """Replace every ``nn.Linear`` in ``model`` by a ``PackedLinear``; returns how many."""
     targets = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     for name, linear in targets:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, PackedLinear(linear, batch_size_hint))
+        model.set_submodule(name, PackedLinear(linear, batch_size_hint))
     return len(targets)

@@ -244,25 +244,7 @@ def check_gguf_quantized_types(path: str) -> None:
 def iter_gguf_quantized(path: str) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """As ``iter_gguf_tensors``, but quantized matrices stay quantized: (HF name,
     ``QuantizedWeight`` in HF row order) for those, fp32 tensors for the rest."""
-    reader = _open_reader(str(path))
-    arch = _architecture(reader, path)
-    is_permuted = _ARCHITECTURES[arch][2]
-    num_heads, num_kv_heads = _head_counts(reader, arch)
-    for tensor in reader.tensors:
-        name = hf_tensor_name(tensor.name)
-        if name is None:
-            continue
-        if not _is_quantized(tensor):
-            weight = dequantize_tensor(tensor)
-            heads = _permuted_heads(name, is_permuted, num_heads, num_kv_heads)
-            yield name, weight if heads is None else unpermute_rotary_rows(weight, heads)
-            continue
-        shape = tuple(int(dim) for dim in reversed(tensor.shape))
-        qweight = gguf_to_internal(tensor.name, tensor.tensor_type, tensor.data, shape)
-        heads = _permuted_heads(name, is_permuted, num_heads, num_kv_heads)
-        if heads is not None:
-            qweight = qweight.select_rows(unpermute_rotary_rows(torch.arange(shape[0]), heads))
-        yield name, qweight
+    return _iter_gguf(path, keep_quantized=True)
 
 
 def _permuted_heads(name: str, is_permuted: bool, num_heads: int, num_kv_heads: int) -> int | None:
@@ -280,6 +262,10 @@ def iter_gguf_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     A tied lm_head (no `output.weight` in the file) is not yielded: the config says
     `tie_word_embeddings=True` and the model reuses `model.embed_tokens.weight`.
     """
+    return _iter_gguf(path, keep_quantized=False)
+
+
+def _iter_gguf(path: str, keep_quantized: bool) -> Iterator[tuple[str, Any]]:
     reader = _open_reader(str(path))
     arch = _architecture(reader, path)
     is_permuted = _ARCHITECTURES[arch][2]
@@ -288,6 +274,14 @@ def iter_gguf_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
         name = hf_tensor_name(tensor.name)
         if name is None:
             continue
-        weight = dequantize_tensor(tensor)
         heads = _permuted_heads(name, is_permuted, num_heads, num_kv_heads)
-        yield name, weight if heads is None else unpermute_rotary_rows(weight, heads)
+        if keep_quantized and _is_quantized(tensor):
+            shape = tuple(int(dim) for dim in reversed(tensor.shape))
+            weight = gguf_to_internal(tensor.name, tensor.tensor_type, tensor.data, shape)
+            if heads is not None:
+                weight = weight.select_rows(unpermute_rotary_rows(torch.arange(shape[0]), heads))
+        else:
+            weight = dequantize_tensor(tensor)
+            if heads is not None:
+                weight = unpermute_rotary_rows(weight, heads)
+        yield name, weight

@@ -145,7 +145,7 @@ class LlamaForCausalLM(nn.Module):
             name = hf_name.removeprefix("model.")
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue
-            target, shard = self._target(name)
+            target, shard = self.checkpoint_target(name)
             if target not in params:
                 raise ValueError(
                     f"checkpoint tensor {hf_name!r} has no place in {type(self).__name__}"
@@ -156,7 +156,8 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint lacks tensors for {sorted(missing)[:8]}")
 
-    def _target(self, name: str) -> tuple[str, int | None]:
+    def checkpoint_target(self, name: str) -> tuple[str, int | None]:
+        """Our parameter for a checkpoint name (``model.`` removed), and its shard if fused."""
         for hf_part, (ours, shard) in self.FUSED.items():
             if f".{hf_part}." in name:
                 return name.replace(hf_part, ours), shard
@@ -173,7 +174,7 @@ class LlamaForCausalLM(nn.Module):
                     )
                 param.copy_(tensor)
                 return
-            sizes = self._shard_sizes(name)
+            sizes = self.shard_sizes(name)
             start = sum(sizes[:shard])
             order = self.shard_row_order(name, shard, tensor.shape[0])
             param[start : start + sizes[shard]].copy_(tensor if order is None else tensor[order])
@@ -186,7 +187,8 @@ class LlamaForCausalLM(nn.Module):
             return to_interleaved(torch.arange(rows), attn.head_dim)
         return None
 
-    def _shard_sizes(self, name: str) -> list[int]:
+    def shard_sizes(self, name: str) -> list[int]:
+        """Rows of each checkpoint part of a fused parameter (q, k, v or gate, up)."""
         if "qkv_proj" in name:
             attn = self.layers[0].self_attn
             return [attn.q_size, attn.kv_size, attn.kv_size]

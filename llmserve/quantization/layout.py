@@ -76,23 +76,27 @@ class QuantizedWeight:
         tensors = (self.qweight, self.scales, self.mins, self.lut, self.perm)
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
-    def values(self) -> torch.Tensor:
-        """The integer value of every weight as float32 ``[N, K]`` (before scale and min)."""
+    def values(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The integer value of every weight (of ``rows`` only, if given) as float32 ``[N, K]``
+        (before scale and min)."""
+        qweight = self.qweight if rows is None else self.qweight.index_select(0, rows)
         if self.bits == 8:
-            return self.qweight.float()
-        codes = unpack_int4(self.qweight)  # [N, K] uint8 0..15
+            return qweight.float()
+        codes = unpack_int4(qweight)  # [N, K] uint8 0..15
         if self.lut is not None:
             return self.lut.to(torch.float32)[codes.long()]
         return codes.float()
 
-    def dequantize(self) -> torch.Tensor:
-        """float32 ``[N, K]`` in the stored column order (reference for every kernel)."""
-        n, k = self.shape
-        scales = self.scales.repeat_interleave(self.group_size, dim=1)  # [N, K]
-        w = self.values() * scales
-        if self.mins is not None:
-            w = w + self.mins.repeat_interleave(self.group_size, dim=1)
-        return w
+    def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 ``[N, K]`` in the stored column order (reference for every kernel); with
+        ``rows`` (int64) only those rows, e.g. the token-table rows of an embedding lookup."""
+
+        def per_column(t: torch.Tensor) -> torch.Tensor:  # [N, K / G] -> [N, K]
+            t = t if rows is None else t.index_select(0, rows)
+            return t.repeat_interleave(self.group_size, dim=1)
+
+        w = self.values(rows) * per_column(self.scales)
+        return w if self.mins is None else w + per_column(self.mins)
 
     def dequantize_original_order(self) -> torch.Tensor:
         """float32 ``[N, K]`` with column k multiplying input feature k (``perm`` undone)."""

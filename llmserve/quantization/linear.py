@@ -16,6 +16,8 @@ dequantize-matmul kernel of its device:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -42,6 +44,23 @@ def default_kernel(device: torch.device, activations: str = "float") -> str:
     return "cpu_int8" if activations == "int8" else "cpu"
 
 
+def kernel_function(kernel: str) -> Callable[..., torch.Tensor]:
+    """The ``(x, weight, bias) -> y`` function of a kernel name, resolved once per layer."""
+    if kernel == "cpu":
+        from llmserve.kernels.cpu.quant import quant_linear_f32
+
+        return quant_linear_f32  # gathers x[:, perm] itself
+    if kernel == "cpu_int8":
+        from llmserve.kernels.cpu.quant import quant_linear
+
+        return quant_linear
+    if kernel == "triton":
+        from llmserve.kernels.quant_matmul import quant_matmul
+
+        return quant_matmul
+    return reference_linear
+
+
 class QuantLinear(nn.Module):
     """``y = x @ W^T + b`` with ``W`` quantized; the output rows of ``parts`` are concatenated."""
 
@@ -60,6 +79,7 @@ class QuantLinear(nn.Module):
         self.register_buffer("bias", bias)  # a buffer: the model's load_weights skips it
         self.kernel = kernel
         self.method = method
+        self._matmul = kernel_function(kernel)  # (x [T, K], weight, bias) -> [T, N]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         leading = x.shape[:-1]
@@ -71,23 +91,6 @@ class QuantLinear(nn.Module):
             if self.bias is not None:
                 out = out + self.bias
         return out.reshape(*leading, self.out_features)
-
-    def _matmul(
-        self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None
-    ) -> torch.Tensor:
-        if self.kernel == "cpu":
-            from llmserve.kernels.cpu import quant as cpu_quant
-
-            return cpu_quant.quant_linear_f32(x, weight, bias)  # gathers x[:, perm] itself
-        if self.kernel == "cpu_int8":
-            from llmserve.kernels.cpu import quant as cpu_quant
-
-            return cpu_quant.quant_linear(x, weight, bias)
-        if self.kernel == "triton":
-            from llmserve.kernels.quant_matmul import quant_matmul
-
-            return quant_matmul(x, weight, bias)
-        return reference_linear(x, weight, bias)
 
     @property
     def weight_nbytes(self) -> int:
@@ -112,8 +115,7 @@ class QuantEmbedding(nn.Module):
         self.dtype = dtype
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        rows = self.weight_q.select_rows(input_ids.reshape(-1))
-        out = rows.dequantize().to(self.dtype)  # [T, hidden]
+        out = self.weight_q.dequantize(rows=input_ids.reshape(-1)).to(self.dtype)  # [T, hidden]
         return out.reshape(*input_ids.shape, self.embedding_dim)
 
     @property

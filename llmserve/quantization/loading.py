@@ -12,7 +12,6 @@ Two routes, chosen by the method:
 
 from __future__ import annotations
 
-import logging
 from collections import defaultdict
 from collections.abc import Iterable
 
@@ -21,21 +20,18 @@ from torch import nn
 
 from llmserve.quantization.layout import QuantizedWeight
 from llmserve.quantization.linear import QuantEmbedding, QuantLinear
-
-logger = logging.getLogger(__name__)
+from llmserve.quantization.llm_int8 import LLMInt8Linear
 
 RUNTIME_METHODS = ("int8", "llm_int8", "nf4", "fp4")
 CHECKPOINT_METHODS = ("gguf", "gptq", "awq")
 EMBEDDING = "model.embed_tokens.weight"
 
 
-def quantize_linear(linear: nn.Linear, name: str, method: str, options: dict, kernel: str):
+def quantize_linear(linear: nn.Linear, method: str, options: dict, kernel: str):
     """The quantized replacement of one float ``nn.Linear``."""
     weight = linear.weight.detach().float()
     bias = None if linear.bias is None else linear.bias.detach().clone()
     if method == "llm_int8":
-        from llmserve.quantization.llm_int8 import LLMInt8Linear
-
         return LLMInt8Linear(weight, bias, threshold=options["llm_int8_threshold"])
     if method == "int8":
         from llmserve.quantization.int8 import quantize_int8
@@ -71,14 +67,8 @@ def quantize_model(model: nn.Module, method: str, options: dict, kernel: str) ->
         if isinstance(m, nn.Linear) and name != "lm_head"
     ]
     for name, linear in targets:
-        _set_module(model, name, quantize_linear(linear, name, method, options, kernel))
+        model.set_submodule(name, quantize_linear(linear, method, options, kernel))
     return len(targets)
-
-
-def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, child, module)
 
 
 def install_quantized_weights(
@@ -99,7 +89,7 @@ def install_quantized_weights(
     for hf_name, weight in quantized.items():
         if hf_name == EMBEDDING:
             continue
-        target, shard = model._target(hf_name.removeprefix("model."))
+        target, shard = model.checkpoint_target(hf_name.removeprefix("model."))
         module_name = target.removesuffix(".weight")
         order = model.shard_row_order(target, shard, weight.shape[0])
         weight = weight if order is None else weight.select_rows(order)
@@ -117,7 +107,7 @@ def install_quantized_weights(
             bias = bias.float().to(device)
         if sum(p.shape[0] for p in parts) != linear.out_features:
             raise ValueError(f"{module_name}: quantized rows do not match the model's layer")
-        _set_module(model, module_name, QuantLinear(parts, bias, kernel=kernel, method=method))
+        model.set_submodule(module_name, QuantLinear(parts, bias, kernel=kernel, method=method))
     if EMBEDDING in quantized:
         _install_embedding(model, quantized[EMBEDDING].to(device), kernel, method)
 
@@ -128,7 +118,7 @@ def _shard_key(shard: int | None) -> int:
 
 def _in_shard_order(module_name, parts_by_shard, model) -> list[QuantizedWeight]:
     shards = sorted(parts_by_shard, key=_shard_key)
-    expected = [None] if shards == [None] else list(range(len(model._shard_sizes(module_name))))
+    expected = [None] if shards == [None] else list(range(len(model.shard_sizes(module_name))))
     if shards != expected:
         raise ValueError(
             f"{module_name}: the checkpoint quantizes only some of its fused parts "
@@ -202,14 +192,20 @@ def weight_bytes_by_dtype(model: nn.Module) -> dict[str, int]:
             add(f"int{w.bits}", w.qweight)
             for t in (w.scales, w.mins, w.lut, w.perm):
                 add("scales", t)
-        if isinstance(module, QuantLinear):
-            add(
-                str(module.bias.dtype).removeprefix("torch.") if module.bias is not None else "",
-                module.bias,
-            )
-        for key, tensor in getattr(module, "quantized_tensors", dict)().items():
-            add(key, tensor)
+        if isinstance(module, QuantLinear | LLMInt8Linear):  # bias; LLM.int8's CB and SCB
+            for buffer in module.buffers(recurse=False):
+                add(str(buffer.dtype).removeprefix("torch."), buffer)
     return dict(totals)
+
+
+def describe_quantization(model: nn.Module) -> str:
+    """The methods and kernels of the model's quantized layers, for the start-up log."""
+    found = {
+        f"{getattr(m, 'method', 'llm_int8')}, {getattr(m, 'kernel', 'torch')} kernel"
+        for m in model.modules()
+        if isinstance(m, QuantLinear | LLMInt8Linear)
+    }
+    return "".join(f"quantization {q}; " for q in sorted(found))
 
 
 def describe_weight_bytes(totals: dict[str, int]) -> str:

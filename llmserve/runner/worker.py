@@ -101,7 +101,6 @@ def load_model(
         quantization.quantize_model(model, method, options, kernel)
     if can_pack(device, dtype):
         pack_linear_layers(model, batch_size_hint=config.scheduler.max_num_seqs)
-    model.quantization_info = f"quantization {method}, {kernel} kernel; " if method else ""
     return model
 
 
@@ -142,6 +141,7 @@ def create_runner(
     weights = quantization.describe_weight_bytes(quantization.weight_bytes_by_dtype(model))
     info = (
         f"model {resolved.display_name} on {device} ({dtype}, attention: {backend}); "
-        f"{model.quantization_info}{weights}; " + kv_cache.describe(spec, num_blocks, max_model_len)
+        f"{quantization.describe_quantization(model)}{weights}; "
+        + kv_cache.describe(spec, num_blocks, max_model_len)
     )
     return runner, num_blocks, info

@@ -222,7 +222,7 @@ def test_unsupported_isa_raises(forced):
 
 def test_disabled_by_environment(monkeypatch):
     monkeypatch.setenv("LLMSERVE_CPU_KERNELS", "0")
-    monkeypatch.setattr(quant, "_state", {})
+    monkeypatch.setattr(quant.LIBRARY, "_ok", None)
     assert quant.available() is False
 
 

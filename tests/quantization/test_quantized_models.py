@@ -14,6 +14,8 @@ from llmserve import LLM, SamplingParams
 from llmserve.quantization.bnb_4bit import dequantize_4bit, quantize_4bit
 from llmserve.quantization.int8 import quantize_int8
 from llmserve.quantization.linear import QuantLinear
+from llmserve.quantization.llm_int8 import LLMInt8Linear
+from llmserve.quantization.loading import weight_bytes_by_dtype
 from tests.conftest import NUM_TOKENS, PROMPTS, assert_no_leaks
 
 from .reference_packing import write_tiny_quantized_checkpoint
@@ -125,8 +127,11 @@ def _requantized(model: LlamaForCausalLM, method: str) -> LlamaForCausalLM:
 def test_runtime_method(float_checkpoint, method: str) -> None:
     path, model = float_checkpoint
     llm = LLM(model=path, quantization=method, max_model_len=64)
-    swapped = [m for m in llm.llm_engine.runner.model.modules() if type(m).__name__ != "Module"]
-    assert any(type(m).__name__ in ("QuantLinear", "LLMInt8Linear") for m in swapped)
+    ours = llm.llm_engine.runner.model
+    swapped = [m for m in ours.modules() if isinstance(m, QuantLinear | LLMInt8Linear)]
+    assert len(swapped) == 2 * 4  # qkv, o, gate_up, down per layer; not the LM head
+    bytes_by_type = weight_bytes_by_dtype(ours)
+    assert bytes_by_type["int8" if method in ("int8", "llm_int8") else "int4"] > 0
     reference = model if method == "llm_int8" else _requantized(model, method)
     _assert_agrees(_greedy(llm), reference, 0.75)
 

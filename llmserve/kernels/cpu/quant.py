@@ -21,70 +21,33 @@ Without a C++ compiler, or with ``LLMSERVE_CPU_KERNELS=0``, ``available()`` is F
 
 from __future__ import annotations
 
-import hashlib
-import logging
-import os
-import shutil
-import sys
-import threading
 from pathlib import Path
 
 import torch
 
+from llmserve.kernels.cpu.build import NativeLibrary
 from llmserve.quantization.layout import QuantizedWeight
 
-logger = logging.getLogger(__name__)
-
-_SOURCES = [Path(__file__).with_name(name) for name in ("quant_gemm.cpp", "quant_float.cpp")]
-_HEADER = Path(__file__).with_name("quant_gemm.h")
+_HERE = Path(__file__).parent
 ISAS = ("avx512_vnni", "avx2", "scalar")
-_lock = threading.Lock()
-_state: dict[str, bool] = {}
-
-
-def _build() -> bool:
-    from torch.utils.cpp_extension import load
-
-    # torch runs `ninja` from PATH; the pip-installed one sits beside this interpreter
-    bin_dir = os.path.dirname(sys.executable)
-    if shutil.which("ninja") is None and shutil.which("ninja", path=bin_dir):
-        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-    # torch rebuilds when the source or a flag changes; the header's hash as a flag counts it too
-    header_hash = hashlib.sha256(_HEADER.read_bytes()).hexdigest()[:16]
-    logger.info("building the quantized-matmul C++ kernels (once per machine; cached by torch)")
-    load(
-        name="llmserve_cpu_quant",
-        sources=[str(p) for p in _SOURCES],
-        # no -march: ISA-specific functions have target attributes and are chosen at run time
-        extra_cflags=["-O3", "-fopenmp", f"-DLLMSERVE_QUANT_HEADER={header_hash}"],
-        extra_ldflags=["-fopenmp"],
-        is_python_module=False,
-        verbose=False,
-    )
-    return hasattr(torch.ops.llmserve_quant, "quant_linear") and hasattr(
-        torch.ops.llmserve_quant, "quant_linear_f32"
-    )
+# no -march: ISA-specific functions have target attributes and are chosen at run time
+LIBRARY = NativeLibrary(
+    name="llmserve_cpu_quant",
+    namespace="llmserve_quant",
+    sources=[_HERE / "quant_gemm.cpp", _HERE / "quant_float.cpp"],
+    headers=[_HERE / "quant_gemm.h"],
+    cflags=[],
+    probe_ops=("quant_linear", "quant_linear_f32"),
+)
 
 
 def available() -> bool:
     """Whether the kernels are built and loaded (builds them on the first call)."""
-    if "ok" not in _state:
-        with _lock:
-            if "ok" not in _state:
-                ok = False
-                if os.environ.get("LLMSERVE_CPU_KERNELS", "1") != "0":
-                    try:
-                        ok = _build()
-                    except Exception as exc:  # no compiler, failed build: callers keep torch
-                        logger.warning("quantized-matmul C++ kernels unavailable: %s", exc)
-                _state["ok"] = ok
-    return _state["ok"]
+    return LIBRARY.available()
 
 
 def _ops():
-    if not available():
-        raise RuntimeError("the quantized-matmul C++ kernels are not built (the log says why)")
-    return torch.ops.llmserve_quant
+    return LIBRARY.ops()
 
 
 def auto_isa() -> str:

@@ -153,6 +153,15 @@ struct Acts {
   std::vector<float> gsum;  // [M, num_groups] (only with mins)
 };
 
+// Row i of x, its columns gathered through perm (act-order) into buf when perm is set.
+const float* input_row(const float* x, const int64_t* perm, int64_t i, int64_t k,
+                       std::vector<float>& buf) {
+  const float* row = x + i * k;
+  if (perm == nullptr) return row;
+  for (int64_t c = 0; c < k; ++c) buf[c] = row[perm[c]];
+  return buf.data();
+}
+
 Acts quantize_input(const float* x, const int64_t* perm, const Problem& pb, bool with_sums) {
   Acts a{pb.m, pb.k, pb.num_groups};
   a.xq.resize(pb.m * pb.k);
@@ -161,11 +170,7 @@ Acts quantize_input(const float* x, const int64_t* perm, const Problem& pb, bool
   at::parallel_for(0, pb.m, std::max<int64_t>(1, 16384 / pb.k), [&](int64_t begin, int64_t end) {
     std::vector<float> gathered(perm ? pb.k : 0);
     for (int64_t i = begin; i < end; ++i) {
-      const float* row = x + i * pb.k;
-      if (perm) {
-        for (int64_t c = 0; c < pb.k; ++c) gathered[c] = row[perm[c]];
-        row = gathered.data();
-      }
+      const float* row = input_row(x, perm, i, pb.k, gathered);
       quantize_row(row, pb.k, a.xq.data() + i * pb.k, a.xs.data() + i * (pb.k / kBlock));
       if (!with_sums) continue;
       for (int64_t c = 0; c < pb.k; ++c) a.gsum[i * pb.num_groups + c / pb.group_size] += row[c];
@@ -260,11 +265,7 @@ PairActs quantize_pairs(const float* x, const int64_t* perm, const Problem& pb, 
   at::parallel_for(0, pb.m, std::max<int64_t>(1, 16384 / pb.k), [&](int64_t begin, int64_t end) {
     std::vector<float> gathered(perm ? pb.k : 0);
     for (int64_t i = begin; i < end; ++i) {
-      const float* row = x + i * pb.k;
-      if (perm) {
-        for (int64_t c = 0; c < pb.k; ++c) gathered[c] = row[perm[c]];
-        row = gathered.data();
-      }
+      const float* row = input_row(x, perm, i, pb.k, gathered);
       const PairOut dst{out.xq.data() + i * 64 * num_pairs, out.xsv.data() + i * 16 * num_pairs,
                         out.corr.empty() ? nullptr : out.corr.data() + i * 16 * num_pairs,
                         with_sums ? out.gsum.data() + i * pb.num_groups : nullptr, pb.group_size};

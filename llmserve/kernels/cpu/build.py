@@ -1,0 +1,98 @@
+"""Build-on-first-use for the C++ CPU libraries (torch's extension builder, cached by torch).
+
+A ``NativeLibrary`` compiles its sources the first time ``available()`` is asked, once per
+process (thread-safe), and answers False instead of raising when there is no compiler or
+``LLMSERVE_CPU_KERNELS=0`` is set, so callers keep their plain-torch path. The headers' hash
+is passed as a flag: torch rebuilds when a source or a flag changes, so a header change counts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def cpu_flags_hash() -> str:
+    """A digest of this CPU's instruction-set flags. ``-march=native`` code built on one host
+    must never be reused from the cache on another (an AVX-512 build dies with SIGILL on an
+    AVX2-only host), so a library built that way passes this as a flag: a new CPU rebuilds."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        pass
+    return hashlib.sha256(flags.encode()).hexdigest()[:16]
+
+
+class NativeLibrary:
+    """One C++ library registering torch ops under ``namespace``; ``probe_ops`` must exist."""
+
+    def __init__(
+        self,
+        name: str,
+        namespace: str,
+        sources: list[Path],
+        headers: list[Path],
+        cflags: list[str],
+        probe_ops: tuple[str, ...],
+    ):
+        self.name, self.namespace = name, namespace
+        self.sources, self.headers, self.cflags = sources, headers, cflags
+        self.probe_ops = probe_ops
+        self._ok: bool | None = None
+        self._lock = threading.Lock()
+
+    def available(self) -> bool:
+        """Whether the library is built and loaded (builds it on the first call)."""
+        if self._ok is None:
+            with self._lock:
+                if self._ok is None:
+                    self._ok = self._try_build()
+        return self._ok
+
+    def ops(self):
+        """The registered ops (``torch.ops.<namespace>``), building them first if needed."""
+        if not self.available():
+            raise RuntimeError(f"the C++ library {self.name} is not built (the log says why)")
+        return getattr(torch.ops, self.namespace)
+
+    def _try_build(self) -> bool:
+        if os.environ.get("LLMSERVE_CPU_KERNELS", "1") == "0":
+            return False
+        try:
+            self._build()
+        except Exception as exc:  # no compiler, failed build: callers keep plain torch
+            logger.warning("C++ library %s unavailable, using plain torch: %s", self.name, exc)
+            return False
+        ops = getattr(torch.ops, self.namespace)
+        return all(hasattr(ops, op) for op in self.probe_ops)
+
+    def _build(self) -> None:
+        from torch.utils.cpp_extension import load
+
+        # torch runs `ninja` from PATH; the pip-installed one sits beside this interpreter
+        bin_dir = os.path.dirname(sys.executable)
+        if shutil.which("ninja") is None and shutil.which("ninja", path=bin_dir):
+            os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+        digest = hashlib.sha256(b"".join(p.read_bytes() for p in self.headers)).hexdigest()
+        logger.info("building the C++ library %s (once per machine; cached by torch)", self.name)
+        load(
+            name=self.name,
+            sources=[str(p) for p in self.sources],
+            # -fopenmp: at::parallel_for is an OpenMP region compiled into this library; the
+            # process already has torch's libgomp loaded, which the library then shares.
+            extra_cflags=["-O3", "-fopenmp", *self.cflags, f"-DLLMSERVE_HEADERS={digest[:16]}"],
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
