@@ -57,9 +57,10 @@ class ModelConfig:
     quantized_activations: str = _opt(
         "float",
         "CPU kernels of quantized weights: float (weights decoded in registers, float32 "
-        "activations, exact) or int8 (llama.cpp's scheme: activations rounded to int8 per "
-        "block of 32, integer dot products; faster, less accurate)",
-        ("float", "int8"),
+        "activations, exact up to summation order), int8x2 (activations as two int8 digits "
+        "per block of 32, 15 bits, integer dot products: about 1e-4 relative error) or int8 "
+        "(llama.cpp's scheme, one int8 digit: fastest, least accurate)",
+        ("float", "int8x2", "int8"),
     )
     nf4_double_quant: bool = _opt(
         False, "nf4/fp4: quantize the absmax constants again (8-bit, blocks of 256), as QLoRA"

@@ -1,6 +1,7 @@
 """Quantized CPU matmul kernels against fp32 and torch's own weight-only baselines.
 
-For each linear shape of SmolLM2-135M, at decode (M = 1) and prefill (M = 256) batch rows:
+For each linear shape of SmolLM2-135M, at decode (M = 1), batched decode (M = 64, the
+text2sql batch) and prefill (M = 256) rows:
 
     fp32              F.linear on the fp32 weight
     torch int8/ch     torch._weight_int8pack_mm (int8 per-channel weights)
@@ -11,7 +12,9 @@ For each linear shape of SmolLM2-135M, at decode (M = 1) and prefill (M = 256) b
     ours q4_1         llmserve quant_linear (int8 activations), 4-bit, G = 32 with mins (Q4_1)
     ours q4 g128      llmserve quant_linear (int8 activations), 4-bit, G = 128 with mins
                       (GPTQ-like; K % 128 == 0)
-    f32 q8_0, f32 q4_1  llmserve quant_linear_f32 (float activations: the engine's default)
+    x2 q8_0, x2 q4_1  llmserve quant_linear with two-digit activations (int8x2: 15 bits per
+                      block of 32, two integer dots per weight vector)
+    f32 q8_0, f32 q4_1  llmserve quant_linear_f32 (float activations, weights decoded to fp32)
 
 Reported per call: microseconds, and GB/s of weight bytes (weights plus scales/mins) read,
 the figure that matters at decode, where a matmul streams its weights once. Weights and
@@ -36,7 +39,7 @@ SMOLLM2_SHAPES = [
     ("down", 576, 1536),
     ("lm_head", 49152, 576),
 ]
-BATCH_ROWS = {"decode": 1, "prefill": 256}
+BATCH_ROWS = {"decode": 1, "batch": 64, "prefill": 256}
 
 
 def _time_us(fn: Callable[[], torch.Tensor], repeats: int, budget_s: float = 0.3) -> float:
@@ -105,6 +108,12 @@ def _kernels(n: int, k: int, isa: str) -> dict[str, tuple[Callable, int]]:
     for name, (bits, group_size, mins) in ours.items():
         weight = _random_quantized(n, k, bits, group_size, mins)
         kernels[name] = (lambda x, w=weight: quant.quant_linear(x, w, isa=isa), weight.nbytes)
+    for name, (bits, mins) in {"x2 q8_0": (8, False), "x2 q4_1": (4, True)}.items():
+        weight = _random_quantized(n, k, bits, 32, mins)
+        kernels[name] = (
+            lambda x, w=weight: quant.quant_linear(x, w, isa=isa, act_digits=2),
+            weight.nbytes,
+        )
     f32_isa = {"avx512_vnni": "avx512"}.get(isa, isa)  # the float kernel needs no VNNI
     for name, (bits, mins) in {"f32 q8_0": (8, False), "f32 q4_1": (4, True)}.items():
         weight = _random_quantized(n, k, bits, 32, mins)

@@ -6,9 +6,11 @@ dequantize-matmul kernel of its device:
 
     cpu       C++ kernel (kernels/cpu/quant_float.cpp): weights decoded in registers, float32
               activations, exact up to summation order (AVX-512 / AVX2 / portable)
-    cpu_int8  C++ kernel (kernels/cpu/quant_gemm.cpp), llama.cpp's scheme: activations rounded
-              to int8 per block of 32, integer dot products (AVX-512 VNNI / AVX2 / scalar);
-              faster, but rounding x costs accuracy on models with large activations
+    cpu_int8x2  C++ kernel (kernels/cpu/quant_gemm.cpp): activations as two int8 digits per
+              block of 32 (x = s * (hi + lo / 128), 15 bits), integer dot products (AVX-512
+              VNNI / AVX2 / scalar); relative error about 1e-4 (--quantized-activations int8x2)
+    cpu_int8  the same kernel with one digit, llama.cpp's scheme: the fastest, but rounding x
+              to 8 bits costs accuracy on models with large activations
               (--quantized-activations int8)
     cuda   Triton W4A16 / W8A16 kernel (kernels/quant_matmul.py), activations in 16 bits
     torch  dequantize, then matmul: the reference, used when neither kernel can run
@@ -28,11 +30,11 @@ from llmserve.quantization.layout import (
     reference_linear,
 )
 
-KERNELS = ("cpu", "cpu_int8", "triton", "torch")
+KERNELS = ("cpu", "cpu_int8x2", "cpu_int8", "triton", "torch")
 
 
 def default_kernel(device: torch.device, activations: str = "float") -> str:
-    """The fastest kernel that runs on ``device`` here (``activations``: float or int8)."""
+    """The kernel for ``device`` (``activations``: float, int8x2 or int8 on the CPU)."""
     if device.type == "cuda":
         from llmserve.kernels import is_triton_available
 
@@ -41,19 +43,16 @@ def default_kernel(device: torch.device, activations: str = "float") -> str:
 
     if not cpu_quant.available():
         return "torch"
-    return "cpu_int8" if activations == "int8" else "cpu"
+    return {"int8": "cpu_int8", "int8x2": "cpu_int8x2"}.get(activations, "cpu")
 
 
 def kernel_function(kernel: str) -> Callable[..., torch.Tensor]:
     """The ``(x, weight, bias) -> y`` function of a kernel name, resolved once per layer."""
-    if kernel == "cpu":
-        from llmserve.kernels.cpu.quant import quant_linear_f32
+    if kernel in ("cpu", "cpu_int8", "cpu_int8x2"):
+        from llmserve.kernels.cpu.quant import linear_function
 
-        return quant_linear_f32  # gathers x[:, perm] itself
-    if kernel == "cpu_int8":
-        from llmserve.kernels.cpu.quant import quant_linear
-
-        return quant_linear
+        # the float kernel gathers x[:, perm] itself, as the integer ones do
+        return linear_function({"cpu": 0, "cpu_int8": 1, "cpu_int8x2": 2}[kernel])
     if kernel == "triton":
         from llmserve.kernels.quant_matmul import quant_matmul
 

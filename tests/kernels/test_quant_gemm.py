@@ -6,6 +6,8 @@ Tolerances:
   at most d / 2 per element (rms d / sqrt(12), about 0.6% of x's rms for Gaussian blocks where
   absmax ~ 2.5 sigma). With random weights the output's relative error is about the same, so
   ``||y - ref|| / ||ref|| < 2e-2`` holds with a 3x margin and fails on any real bug.
+- two-digit activations (act_digits=2, "int8x2"): x / d = hi + lo / 128, an error of at most
+  d / 256 per element, 128x below one digit: ``< 2e-4`` (measured 5e-5 to 1.1e-4).
 - x already on the int8 grid of its blocks (power-of-two scales, |q| <= 127 with 127 reached),
   or a GEMM fed its own dequantized xq * xs: quantization is exact and only fp32 rounding is
   left, so ``< 1e-5``; and the SIMD paths against the scalar path (same int8 inputs, another
@@ -25,6 +27,7 @@ from llmserve.quantization.layout import QuantizedWeight, pack_int4, reference_l
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
 
 QUANT_TOL = 2e-2
+QUANT2_TOL = 2e-4
 EXACT_TOL = 1e-5
 
 
@@ -105,6 +108,25 @@ def test_matches_reference(case, m, isa, threads):
     assert rel_err(y, reference_linear(x, weight, bias)) < QUANT_TOL
     if isa != "scalar":  # same int8 inputs as the scalar path: only the summation order differs
         assert rel_err(y, quant.quant_linear(x, weight, bias, isa="scalar")) < EXACT_TOL
+
+
+@pytest.mark.parametrize("m", [1, 5, 70])
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_two_digit_activations_match_reference(case, m, isa, threads):
+    bits, k, group_size, mins, lut = case
+    weight = make_weight(bits, N, k, group_size, mins, lut)
+    x = torch.randn(m, k)
+    x[:, 7] *= 40  # an outlier column: its blocks get a coarse scale
+    bias = torch.randn(N)
+    ref = reference_linear(x, weight, bias)
+    y = quant.quant_linear(x, weight, bias, isa=isa, act_digits=2)
+    assert rel_err(y, ref) < QUANT2_TOL
+    one_digit = quant.quant_linear(x, weight, bias, isa=isa, act_digits=1)
+    assert rel_err(y, ref) < rel_err(one_digit, ref) / 30  # the second digit is used
+    if isa != "scalar":  # same digits as the scalar path: only the summation order differs
+        assert (
+            rel_err(y, quant.quant_linear(x, weight, bias, isa="scalar", act_digits=2)) < EXACT_TOL
+        )
 
 
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
@@ -191,6 +213,7 @@ BAD_INPUTS = {
     "bias-shape": ({"bias": torch.zeros(7)}, "bias"),
     "perm-range": ({"perm": torch.full((64,), 64)}, "perm values"),
     "isa-unknown": ({"isa": "sse9"}, "isa must be one of"),
+    "act-digits": ({"act_digits": 3}, "act_digits must be 1"),
 }
 
 

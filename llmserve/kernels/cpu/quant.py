@@ -2,7 +2,8 @@
 
     quant_gemm.cpp   the ops: activations quantized to int8 per block of 32 columns (absmax),
                      integer dot products with the 4/8-bit weight values, one float scale per
-                     block and weight group (llama.cpp's scheme)
+                     block and weight group (llama.cpp's scheme); or to two int8 digits per
+                     value (int8x2: 15 bits per block, two dots per weight vector)
     quant_gemm.h     the AVX-512 VNNI and AVX2 tiles
     quant_float.cpp  quant_linear_f32: float activations, weights decoded in registers
                      (AVX-512 / AVX2 / portable, chosen at run time); tiles of 64 rows decoded
@@ -21,6 +22,7 @@ Without a C++ compiler, or with ``LLMSERVE_CPU_KERNELS=0``, ``available()`` is F
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -91,15 +93,45 @@ def quant_gemm(
 
 
 def quant_linear(
-    x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None, isa: str = "auto"
+    x: torch.Tensor,
+    weight: QuantizedWeight,
+    bias: torch.Tensor | None = None,
+    isa: str = "auto",
+    act_digits: int = 1,
 ) -> torch.Tensor:
     """fp32 ``x [..., K]`` -> ``[..., N]``, the fused path of ``reference_linear``: one C++ call
     that gathers ``x[..., perm]`` (act-order), quantizes per 32-block and runs the integer GEMM.
+    ``act_digits=2`` ("int8x2") keeps two int8 digits per activation, ``x = xs * (hi + lo / 128)``:
+    an error of ``xs / 256`` instead of ``xs / 2`` for twice the integer dot products.
     The ``mins`` term uses the exact float sum of ``x`` over each group."""
     return _ops().quant_linear(
         x, weight.qweight, weight.scales, weight.mins, weight.lut, weight.perm,
-        weight.bits, weight.group_size, bias, isa,
+        weight.bits, weight.group_size, bias, isa, act_digits,
     )  # fmt: skip
+
+
+def linear_function(act_digits: int) -> Callable[..., torch.Tensor]:
+    """The engine's ``(x, weight, bias) -> y`` with the op looked up once (it runs ~120 times a
+    decode step): ``act_digits`` 0 is the float-activation kernel, 1 int8, 2 int8x2."""
+    ops = _ops()
+    if act_digits == 0:
+        op = ops.quant_linear_f32
+
+        def linear(x, w, bias=None):
+            return op(
+                x, w.qweight, w.scales, w.mins, w.lut, w.perm, w.bits, w.group_size, bias, "auto"
+            )
+
+        return linear
+    op = ops.quant_linear
+
+    def linear(x, w, bias=None):
+        return op(
+            x, w.qweight, w.scales, w.mins, w.lut, w.perm, w.bits, w.group_size, bias, "auto",
+            act_digits,
+        )  # fmt: skip
+
+    return linear
 
 
 def quant_linear_f32(

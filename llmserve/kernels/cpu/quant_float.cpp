@@ -6,9 +6,11 @@
 //
 //   decode shape (M < kTileRows): one pass over the weights, each decoded block reused for
 //     every row of x; threads split the output rows N.
-//   prefill shape: threads split N into tiles of kTileN rows; a tile is decoded into a small
-//     float buffer (L2-resident) and multiplied by all of x with ATen's GEMM, single-threaded
-//     inside the tile, so no full float copy of the weight ever exists.
+//   prefill shape: the weight is decoded to float in chunks of at most kChunkValues values
+//     (16 MB: every SmolLM2 layer but the LM head in one chunk), all threads decoding, and
+//     each chunk is multiplied by all of x with one multi-threaded ATen GEMM. The decode is
+//     paid once per call, so at hundreds of rows the cost is the fp32 GEMM's; the chunk is
+//     scratch memory freed after the call, never a resident float copy.
 //
 // No -march: the hot loops are compiled for x86-64-v4 (AVX-512), v3 (AVX2+FMA) and the
 // baseline by GCC's target_clones, which picks one when the library loads.
@@ -25,8 +27,8 @@
 namespace {
 
 constexpr int64_t kBlock = 32;
-constexpr int64_t kTileRows = 16;  // M at and above which the tile + GEMM path runs
-constexpr int64_t kTileN = 64;
+constexpr int64_t kTileRows = 16;  // M at and above which the decode + GEMM path runs
+constexpr int64_t kChunkValues = int64_t{4} << 20;  // weight values decoded per GEMM
 constexpr int kMaxRows = 4;  // rows of x accumulated together in the decode path
 
 #if defined(__x86_64__) && !defined(__clang__)
@@ -245,7 +247,33 @@ void gemv_rows(Path path, const Weight& w, const float* x, int64_t m0, int rows,
   }
 }
 
-void decode_tile(const Weight& w, int64_t n0, int64_t n1, float* out) {
+#if defined(__x86_64__)
+// rows [n0, n1) of a 4-bit weight without lut, decoded to float: out[(n - n0) * K + k]
+__attribute__((target("avx512f,avx512bw,avx512vl,fma")))
+void decode_rows_avx512(const Weight& w, int64_t n0, int64_t n1, float* out) {
+  const __m512i low4 = _mm512_set1_epi32(15);
+  const int64_t num_blocks = w.k / kBlock;
+  const int64_t bpg = w.group / kBlock;  // 4-bit groups are whole blocks
+  for (int64_t n = n0; n < n1; ++n) {
+    const float* sc = w.scales + n * w.groups_per_row;
+    const float* mn = w.mins != nullptr ? w.mins + n * w.groups_per_row : nullptr;
+    float* o = out + (n - n0) * w.k;
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      const int64_t g = b / bpg;
+      const __m512 s = _mm512_set1_ps(sc[g]), m = _mm512_set1_ps(mn != nullptr ? mn[g] : 0.0f);
+      const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(w.q4 + n * (w.k / 2) + b * 16)));
+      _mm512_storeu_ps(o + b * kBlock, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, low4)), s, m));
+      _mm512_storeu_ps(o + b * kBlock + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), s, m));
+    }
+  }
+}
+#endif
+
+// rows [n0, n1) decoded to float: out[(n - n0) * K + k]
+void decode_rows(Path path, const Weight& w, int64_t n0, int64_t n1, float* out) {
+#if defined(__x86_64__)
+  if (path == Path::kAvx512 && w.q4 != nullptr) return decode_rows_avx512(w, n0, n1, out);
+#endif
   for (int64_t n = n0; n < n1; ++n)
     for (int64_t b = 0; b < w.k / kBlock; ++b) decode_block(w, n, b, out + (n - n0) * w.k + b * kBlock);
 }
@@ -303,28 +331,27 @@ at::Tensor quant_linear_f32(const at::Tensor& x_in, const at::Tensor& qweight, c
   at::Tensor y = at::empty({m, n}, x.options());
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+  const Path path = pick_path(w, isa);
   if (m < kTileRows) {
     const int64_t grain = std::max<int64_t>(1, 8192 / std::max<int64_t>(k / kBlock, 1));
-    const Path path = pick_path(w, isa);
     at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
       for (int64_t m0 = 0; m0 < m; m0 += kMaxRows)
         gemv_rows(path, w, xp, m0, static_cast<int>(std::min<int64_t>(kMaxRows, m - m0)), n0, n1, yp, n);
     });
   } else {
-    const int64_t num_tiles = (n + kTileN - 1) / kTileN;
-    at::parallel_for(0, num_tiles, 1, [&](int64_t t0, int64_t t1) {
-      std::vector<float> buf(kTileN * k);
-      for (int64_t t = t0; t < t1; ++t) {
-        const int64_t n0 = t * kTileN, n1 = std::min(n, n0 + kTileN);
-        decode_tile(w, n0, n1, buf.data());
-        at::Tensor tile = at::from_blob(buf.data(), {n1 - n0, k}, x.options());
-        // raw copy: worker threads do not inherit InferenceMode, so no in-place ATen op on y
-        const at::Tensor part = at::mm(x, tile.t()).contiguous();  // [M, n1 - n0]
-        const float* pp = part.data_ptr<float>();
-        for (int64_t i = 0; i < m; ++i)
-          std::copy(pp + i * (n1 - n0), pp + (i + 1) * (n1 - n0), yp + i * n + n0);
+    const int64_t chunk_rows = std::max<int64_t>(1, std::min(n, kChunkValues / k));
+    at::Tensor chunk = at::empty({chunk_rows, k}, x.options());
+    for (int64_t n0 = 0; n0 < n; n0 += chunk_rows) {
+      const int64_t n1 = std::min(n, n0 + chunk_rows);
+      float* cp = chunk.data_ptr<float>();
+      at::parallel_for(n0, n1, 16, [&](int64_t r0, int64_t r1) { decode_rows(path, w, r0, r1, cp + (r0 - n0) * k); });
+      const at::Tensor part = chunk.narrow(0, 0, n1 - n0);
+      if (n1 - n0 == n) {
+        at::mm_out(y, x, part.t());
+      } else {
+        y.narrow(1, n0, n1 - n0).copy_(at::mm(x, part.t()));
       }
-    });
+    }
   }
   if (bias.has_value() && bias->defined()) y.add_(*bias);
   return y;

@@ -6,14 +6,16 @@
 //           + sum_g  mins[n, g] * gsum[m, g]                                   (+ bias[n])
 //
 // gsum is the exact float sum of x over the group when the op quantizes x itself, and
-// sum_b xs[m, b] * sum(xq) when the caller passes xq/xs. With G = 16 (8-bit only) a block has
+// sum_b xs[m, b] * sum(xq) when the caller passes xq/xs. With act_digits = 2 ("int8x2") each
+// activation is two int8 digits, x = xs * (hi + lo / 128): 15 bits per block instead of 8,
+// for two integer dots per weight vector (quant_gemm.h). With G = 16 (8-bit only) a block has
 // two groups; the kernels scale per int32 lane (4 columns), so any G works the same way.
 //
 // Ops (namespace llmserve_quant), all fp32 activations:
 //   quantize_activations(x [M, K]) -> (xq int8 [M, K], xs fp32 [M, K / 32])
 //   quant_gemm(xq, xs, qweight, scales, mins?, lut?, bits, group_size, bias?, isa) -> y [M, N]
-//   quant_linear(x [..., K], qweight, scales, mins?, lut?, perm?, bits, group_size, bias?, isa)
-//       -> y [..., N]: both steps in one call (perm: x[..., perm] first)
+//   quant_linear(x [..., K], qweight, scales, mins?, lut?, perm?, bits, group_size, bias?, isa,
+//                act_digits=1) -> y [..., N]: both steps in one call (perm: x[..., perm] first)
 //   resolve_isa(isa) -> the path "auto" (or a forced isa) runs; errors if the CPU lacks it
 //
 // The file is compiled for the baseline x86-64 target; the SIMD tiles (quant_gemm.h) carry
@@ -128,10 +130,14 @@ Mode mode_of(const Problem& pb, const c10::optional<at::Tensor>& lut) {
 // ---------------------------------------------------------------------------------------------
 // Activations
 
-// x [K] -> xq [K], xs [K / 32]: per block d = absmax / 127, xq = round-half-even(x / d).
-// Portable code on purpose (no FMA contraction): every ISA path sees the same xq.
-void quantize_row(const float* x, int64_t k, int8_t* xq, float* xs) {
-  constexpr float kMagic = 12582912.f;  // 1.5 * 2^23: (t + kMagic) - kMagic rounds t to even
+constexpr float kMagic = 12582912.f;  // 1.5 * 2^23: (t + kMagic) - kMagic rounds t to even
+
+float round_even(float t) { return (t + kMagic) - kMagic; }
+
+// x [K] -> xq [K], xs [K / 32]: per block d = absmax / 127, xq = round-half-even(x / d); with
+// xq2, also the second digit round-half-even(128 * (x / d - xq)).
+// Portable code on purpose (no FMA contraction): every ISA path sees the same digits.
+void quantize_row(const float* x, int64_t k, int8_t* xq, float* xs, int8_t* xq2 = nullptr) {
   for (int64_t b = 0; b < k / kBlock; ++b) {
     const float* xb = x + b * kBlock;
     float amax = 0.f;
@@ -140,7 +146,9 @@ void quantize_row(const float* x, int64_t k, int8_t* xq, float* xs) {
     xs[b] = amax / 127.f;
     for (int j = 0; j < kBlock; ++j) {
       const float t = std::min(std::max(xb[j] * inv, -127.f), 127.f);
-      xq[b * kBlock + j] = static_cast<int8_t>(static_cast<int>((t + kMagic) - kMagic));
+      const float hi = round_even(t);
+      xq[b * kBlock + j] = static_cast<int8_t>(static_cast<int>(hi));
+      if (xq2 != nullptr) xq2[b * kBlock + j] = static_cast<int8_t>(static_cast<int>(round_even((t - hi) * 128.f)));
     }
   }
 }
@@ -148,7 +156,8 @@ void quantize_row(const float* x, int64_t k, int8_t* xq, float* xs) {
 // Activations of one call in the natural column order (what the scalar path reads).
 struct Acts {
   int64_t m = 0, k = 0, num_groups = 0;
-  std::vector<int8_t> xq;   // [M, K]
+  std::vector<int8_t> xq;   // [M, K] (the hi digit with two digits)
+  std::vector<int8_t> xq2;  // [M, K] the lo digit, or empty
   std::vector<float> xs;    // [M, K / 32]
   std::vector<float> gsum;  // [M, num_groups] (only with mins)
 };
@@ -162,16 +171,18 @@ const float* input_row(const float* x, const int64_t* perm, int64_t i, int64_t k
   return buf.data();
 }
 
-Acts quantize_input(const float* x, const int64_t* perm, const Problem& pb, bool with_sums) {
+Acts quantize_input(const float* x, const int64_t* perm, const Problem& pb, bool with_sums, bool split) {
   Acts a{pb.m, pb.k, pb.num_groups};
   a.xq.resize(pb.m * pb.k);
+  if (split) a.xq2.resize(pb.m * pb.k);
   a.xs.resize(pb.m * (pb.k / kBlock));
   if (with_sums) a.gsum.assign(pb.m * pb.num_groups, 0.f);
   at::parallel_for(0, pb.m, std::max<int64_t>(1, 16384 / pb.k), [&](int64_t begin, int64_t end) {
     std::vector<float> gathered(perm ? pb.k : 0);
     for (int64_t i = begin; i < end; ++i) {
       const float* row = input_row(x, perm, i, pb.k, gathered);
-      quantize_row(row, pb.k, a.xq.data() + i * pb.k, a.xs.data() + i * (pb.k / kBlock));
+      quantize_row(row, pb.k, a.xq.data() + i * pb.k, a.xs.data() + i * (pb.k / kBlock),
+                   split ? a.xq2.data() + i * pb.k : nullptr);
       if (!with_sums) continue;
       for (int64_t c = 0; c < pb.k; ++c) a.gsum[i * pb.num_groups + c / pb.group_size] += row[c];
     }
@@ -209,6 +220,7 @@ int64_t pair_column(int64_t p, int64_t byte, bool nibble_order, int64_t k) {
 struct PairActs {
   int64_t num_pairs = 0;
   std::vector<int8_t> xq;                 // [M, 64 * num_pairs]
+  std::vector<int8_t> xq2;                // [M, 64 * num_pairs] the lo digit, or empty
   std::vector<float> xsv;                 // [M, 16 * num_pairs]
   std::vector<int32_t> corr;              // [M, 16 * num_pairs]
   std::vector<float> gsum;                // [M, num_groups] (only with mins)
@@ -255,10 +267,12 @@ PairActs to_pairs(Acts&& a, const Problem& pb) {
 }
 
 // From fp32 x [M, K] (x[:, perm] when perm is given), quantized straight into the pair layout.
-PairActs quantize_pairs(const float* x, const int64_t* perm, const Problem& pb, Isa isa, bool with_sums) {
+PairActs quantize_pairs(const float* x, const int64_t* perm, const Problem& pb, Isa isa, bool with_sums,
+                        bool split) {
   PairActs out = pair_table(pb);
   const int64_t num_pairs = out.num_pairs;
   out.xq.resize(pb.m * 64 * num_pairs);
+  if (split) out.xq2.resize(pb.m * 64 * num_pairs);
   out.xsv.resize(pb.m * 16 * num_pairs);
   if (isa == Isa::kAvx512Vnni) out.corr.resize(pb.m * 16 * num_pairs);
   if (with_sums) out.gsum.assign(pb.m * pb.num_groups, 0.f);
@@ -266,7 +280,9 @@ PairActs quantize_pairs(const float* x, const int64_t* perm, const Problem& pb, 
     std::vector<float> gathered(perm ? pb.k : 0);
     for (int64_t i = begin; i < end; ++i) {
       const float* row = input_row(x, perm, i, pb.k, gathered);
-      const PairOut dst{out.xq.data() + i * 64 * num_pairs, out.xsv.data() + i * 16 * num_pairs,
+      const PairOut dst{out.xq.data() + i * 64 * num_pairs,
+                        split ? out.xq2.data() + i * 64 * num_pairs : nullptr,
+                        out.xsv.data() + i * 16 * num_pairs,
                         out.corr.empty() ? nullptr : out.corr.data() + i * 16 * num_pairs,
                         with_sums ? out.gsum.data() + i * pb.num_groups : nullptr, pb.group_size};
       if (isa == Isa::kAvx512Vnni) {
@@ -304,13 +320,18 @@ void rows_scalar(const WeightView& w, const Acts& a, const Problem& pb, int64_t 
   for (int64_t n = n0; n < n1; ++n) {
     unpack_row(w.q + n * w.row_bytes, pb, w.lut, values.data());
     const float* scales = w.scales + n * pb.num_groups;
+    const bool split = !a.xq2.empty();
     for (int64_t i = 0; i < pb.m; ++i) {
       const int8_t* xq = a.xq.data() + i * pb.k;
+      const int8_t* xq2 = split ? a.xq2.data() + i * pb.k : nullptr;
       float acc = 0.f;
       for (int64_t c0 = 0; c0 < pb.k; c0 += sub) {
-        int32_t dot = 0;
+        int32_t dot = 0, dot2 = 0;
         for (int64_t c = c0; c < c0 + sub; ++c) dot += values[c] * xq[c];
-        acc += scales[c0 / pb.group_size] * a.xs[i * nb + c0 / kBlock] * static_cast<float>(dot);
+        if (split)
+          for (int64_t c = c0; c < c0 + sub; ++c) dot2 += values[c] * xq2[c];
+        const float d = split ? static_cast<float>(128 * dot + dot2) / 128.f : static_cast<float>(dot);
+        acc += scales[c0 / pb.group_size] * a.xs[i * nb + c0 / kBlock] * d;
       }
       if (w.mins)
         for (int64_t g = 0; g < pb.num_groups; ++g)
@@ -324,31 +345,31 @@ void rows_scalar(const WeightView& w, const Acts& a, const Problem& pb, int64_t 
 // SIMD paths: rows [n0, n1) in tiles of R output rows x MT activation rows; activations walked
 // in blocks of rows that stay in L2 while the weight rows stream past
 
-template <Mode kMode, bool kAvx512, int R, int MT>
+template <Mode kMode, bool kSplit, bool kAvx512, int R, int MT>
 void tile(const WeightView& w, const ActView& a, const PairTable& t, int64_t n0, int64_t m0,
           float* y, int64_t ldy) {
   if constexpr (kAvx512) {
-    tile512<kMode, R, MT>(w, a, t, n0, m0, y, ldy);
+    tile512<kMode, kSplit, R, MT>(w, a, t, n0, m0, y, ldy);
   } else {
-    tile256<kMode, R, MT>(w, a, t, n0, m0, y, ldy);
+    tile256<kMode, kSplit, R, MT>(w, a, t, n0, m0, y, ldy);
   }
 }
 
-template <Mode kMode, bool kAvx512, int R>
+template <Mode kMode, bool kSplit, bool kAvx512, int R>
 void row_tile(const WeightView& w, const ActView& a, const PairTable& t, int64_t n0, int64_t m0,
               int64_t m1, float* y, int64_t ldy) {
   constexpr int kMt = kAvx512 ? 4 : 2;
   int64_t m = m0;
-  for (; m + kMt <= m1; m += kMt) tile<kMode, kAvx512, R, kMt>(w, a, t, n0, m, y, ldy);
+  for (; m + kMt <= m1; m += kMt) tile<kMode, kSplit, kAvx512, R, kMt>(w, a, t, n0, m, y, ldy);
   const int64_t left = m1 - m;
-  if (left == 1) tile<kMode, kAvx512, R, 1>(w, a, t, n0, m, y, ldy);
+  if (left == 1) tile<kMode, kSplit, kAvx512, R, 1>(w, a, t, n0, m, y, ldy);
   if constexpr (kAvx512) {
-    if (left == 2) tile<kMode, kAvx512, R, 2>(w, a, t, n0, m, y, ldy);
-    if (left == 3) tile<kMode, kAvx512, R, 3>(w, a, t, n0, m, y, ldy);
+    if (left == 2) tile<kMode, kSplit, kAvx512, R, 2>(w, a, t, n0, m, y, ldy);
+    if (left == 3) tile<kMode, kSplit, kAvx512, R, 3>(w, a, t, n0, m, y, ldy);
   }
 }
 
-template <Mode kMode, bool kAvx512>
+template <Mode kMode, bool kSplit, bool kAvx512>
 void rows_simd(const WeightView& w, const ActView& a, const PairTable& t, int64_t m_total,
                int64_t n0, int64_t n1, float* y, int64_t ldy) {
   constexpr int R = 4;
@@ -356,17 +377,24 @@ void rows_simd(const WeightView& w, const ActView& a, const PairTable& t, int64_
   for (int64_t m0 = 0; m0 < m_total; m0 += m_block) {
     const int64_t m1 = std::min(m_total, m0 + m_block);
     int64_t n = n0;
-    for (; n + R <= n1; n += R) row_tile<kMode, kAvx512, R>(w, a, t, n, m0, m1, y, ldy);
-    for (; n < n1; ++n) row_tile<kMode, kAvx512, 1>(w, a, t, n, m0, m1, y, ldy);
+    for (; n + R <= n1; n += R) row_tile<kMode, kSplit, kAvx512, R>(w, a, t, n, m0, m1, y, ldy);
+    for (; n < n1; ++n) row_tile<kMode, kSplit, kAvx512, 1>(w, a, t, n, m0, m1, y, ldy);
   }
+}
+
+template <bool kSplit, bool kAvx512>
+void rows_simd_mode(Mode mode, const WeightView& w, const ActView& a, const PairTable& t,
+                    int64_t m_total, int64_t n0, int64_t n1, float* y, int64_t ldy) {
+  if (mode == Mode::kInt8) rows_simd<Mode::kInt8, kSplit, kAvx512>(w, a, t, m_total, n0, n1, y, ldy);
+  if (mode == Mode::kLut4) rows_simd<Mode::kLut4, kSplit, kAvx512>(w, a, t, m_total, n0, n1, y, ldy);
+  if (mode == Mode::kCodes4) rows_simd<Mode::kCodes4, kSplit, kAvx512>(w, a, t, m_total, n0, n1, y, ldy);
 }
 
 template <bool kAvx512>
 void rows_simd_any(Mode mode, const WeightView& w, const ActView& a, const PairTable& t,
                    int64_t m_total, int64_t n0, int64_t n1, float* y, int64_t ldy) {
-  if (mode == Mode::kInt8) rows_simd<Mode::kInt8, kAvx512>(w, a, t, m_total, n0, n1, y, ldy);
-  if (mode == Mode::kLut4) rows_simd<Mode::kLut4, kAvx512>(w, a, t, m_total, n0, n1, y, ldy);
-  if (mode == Mode::kCodes4) rows_simd<Mode::kCodes4, kAvx512>(w, a, t, m_total, n0, n1, y, ldy);
+  if (a.xq2 != nullptr) return rows_simd_mode<true, kAvx512>(mode, w, a, t, m_total, n0, n1, y, ldy);
+  rows_simd_mode<false, kAvx512>(mode, w, a, t, m_total, n0, n1, y, ldy);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -394,7 +422,7 @@ at::Tensor run_scalar(const Acts& a, const Problem& pb, const WeightView& w) {
 at::Tensor run_simd(const PairActs& pairs, const Problem& pb, const WeightView& w, Mode mode, Isa isa) {
   at::Tensor y = at::empty({pb.m, pb.n}, at::kFloat);
   float* out = y.data_ptr<float>();
-  const ActView av{pairs.xq.data(), pairs.xsv.data(), pairs.corr.empty() ? nullptr : pairs.corr.data(),
+  const ActView av{pairs.xq.data(), pairs.xq2.empty() ? nullptr : pairs.xq2.data(), pairs.xsv.data(), pairs.corr.empty() ? nullptr : pairs.corr.data(),
                    pairs.gsum.empty() ? nullptr : pairs.gsum.data(), pairs.num_pairs, (pb.k / kBlock) % 2 == 1};
   const PairTable table{pairs.base.data(), pairs.count.data(), pairs.idx.data()};
   at::parallel_for(0, pb.n, row_grain(pb), [&](int64_t n0, int64_t n1) {
@@ -444,7 +472,9 @@ at::Tensor quant_gemm(const at::Tensor& xq, const at::Tensor& xs, const at::Tens
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                         const c10::optional<at::Tensor>& mins, const c10::optional<at::Tensor>& lut,
                         const c10::optional<at::Tensor>& perm, int64_t bits, int64_t group_size,
-                        const c10::optional<at::Tensor>& bias, const std::string& isa) {
+                        const c10::optional<at::Tensor>& bias, const std::string& isa, int64_t act_digits) {
+  TORCH_CHECK(act_digits == 1 || act_digits == 2, "act_digits must be 1 (int8) or 2 (int8x2), got ", act_digits);
+  const bool split = act_digits == 2;
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat, "x must be float32 on the CPU, got ",
               x.scalar_type());
   TORCH_CHECK(x.dim() >= 1, "x must be [..., K]");
@@ -463,8 +493,8 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
   const WeightView w = weight_view(qweight, scales, mins, lut, bias);
   const float* xp = x2.data_ptr<float>();
   at::Tensor y = chosen == Isa::kScalar  // [M, N]
-                     ? run_scalar(quantize_input(xp, perm_ptr, pb, mins.has_value()), pb, w)
-                     : run_simd(quantize_pairs(xp, perm_ptr, pb, chosen, mins.has_value()), pb, w,
+                     ? run_scalar(quantize_input(xp, perm_ptr, pb, mins.has_value(), split), pb, w)
+                     : run_simd(quantize_pairs(xp, perm_ptr, pb, chosen, mins.has_value(), split), pb, w,
                                 mode_of(pb, lut), chosen);
   auto sizes = x.sizes().vec();
   sizes.back() = pb.n;
@@ -483,7 +513,7 @@ TORCH_LIBRARY(llmserve_quant, m) {
       "int bits, int group_size, Tensor? bias, str isa) -> Tensor");
   m.def(
       "quant_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, Tensor? lut, Tensor? perm, "
-      "int bits, int group_size, Tensor? bias, str isa) -> Tensor");
+      "int bits, int group_size, Tensor? bias, str isa, int act_digits=1) -> Tensor");
   m.def("resolve_isa(str isa) -> str", &llmserve_quant::resolve_isa);
   m.impl("quantize_activations", c10::DispatchKey::CPU, &llmserve_quant::quantize_activations);
   m.impl("quant_gemm", c10::DispatchKey::CPU, &llmserve_quant::quant_gemm);

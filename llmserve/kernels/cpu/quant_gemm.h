@@ -22,6 +22,13 @@
 //                pairs stay within int16 (2 * 128 * 127 <= 32767) as long as xq != -128.
 //                4-bit: both 32-byte halves of a pair map lane j to the same block, so their
 //                dots add before one float step per pair (8-bit: one per half = block).
+//
+// Two-digit activations (kSplit, "int8x2"): x / xs = hi + lo / 128 with hi, lo int8
+// (|lo| <= 64), so the activation error drops from xs / 2 to xs / 256 per element, 15 bits
+// per block instead of 8. Every dot runs twice, once per digit, on the same decoded weights,
+// and the int32 results combine as (dot_hi << 7) + dot_lo before the one float step (xsv then
+// holds xs / 128). With the u8 offset, corr = -128 * (128 * sum(hi) + sum(lo)) / 128, so the
+// hi dot starts from corr and the lo dot from the shifted hi dot.
 #pragma once
 
 #include <immintrin.h>
@@ -47,7 +54,8 @@ struct WeightView {
 };
 
 struct ActView {
-  const int8_t* xq;      // [M, 64 * num_pairs] pair layout above
+  const int8_t* xq;      // [M, 64 * num_pairs] pair layout above (the hi digit with kSplit)
+  const int8_t* xq2;     // [M, 64 * num_pairs] the lo digit (kSplit), else nullptr
   const float* xsv;      // [M, 16 * num_pairs] block scale per int32 lane (0 in padding)
   const int32_t* corr;   // [M, 16 * num_pairs] -128 * sum of the lane's 4 xq
   const float* gsum;     // [M, num_groups] sum of x over each weight group (with mins)
@@ -104,7 +112,7 @@ LLMSERVE_AVX512_TARGET inline __m512 mins_dot512(__m512 acc, const float* mins, 
 }
 
 // y[m0 + i, n0 + r] (row stride ldy) for r < R, i < MT
-template <Mode kMode, int R, int MT>
+template <Mode kMode, bool kSplit, int R, int MT>
 LLMSERVE_AVX512_TARGET void tile512(const WeightView& w, const ActView& a, const PairTable& t,
                                     int64_t n0, int64_t m0, float* y, int64_t ldy) {
   constexpr bool kOffset = kMode != Mode::kCodes4;
@@ -128,11 +136,13 @@ LLMSERVE_AVX512_TARGET void tile512(const WeightView& w, const ActView& a, const
     for (int i = 0; i < MT; ++i) {
       const int64_t m = m0 + i;
       const __m512i xv = _mm512_loadu_si512(a.xq + m * xq_stride + 64 * p);
+      const __m512i xv2 = kSplit ? _mm512_loadu_si512(a.xq2 + m * xq_stride + 64 * p) : xv;
       const __m512 xs = _mm512_loadu_ps(a.xsv + m * lane_stride + 16 * p);
       const __m512i start =
           kOffset ? _mm512_loadu_si512(a.corr + m * lane_stride + 16 * p) : _mm512_setzero_si512();
       for (int r = 0; r < R; ++r) {
-        const __m512i dot = _mm512_dpbusd_epi32(start, wv[r], xv);
+        __m512i dot = _mm512_dpbusd_epi32(start, wv[r], xv);
+        if constexpr (kSplit) dot = _mm512_dpbusd_epi32(_mm512_slli_epi32(dot, 7), wv[r], xv2);
         acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(ws[r], xs), acc[r][i]);
       }
     }
@@ -194,7 +204,26 @@ LLMSERVE_AVX2_TARGET inline __m256 mins_dot256(__m256 acc, const float* mins, co
   return _mm256_add_ps(acc, _mm256_load_ps(tail));
 }
 
-template <Mode kMode, int R, int MT>
+// maddubs pairs of (|w|, sign(x, w)) summed to int32 lanes: signed w times x
+LLMSERVE_AVX2_TARGET inline __m256i signed_dot256(__m256i wv, __m256i xv) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(wv), _mm256_sign_epi8(xv, wv)),
+                           _mm256_set1_epi16(1));
+}
+
+// 4-bit: the dot of a pair's two halves (lo, hi nibble vectors) with one digit array
+template <Mode kMode>
+LLMSERVE_AVX2_TARGET inline __m256i nibble_dot256(__m256i lo, __m256i hi, const int8_t* xq) {
+  const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
+  const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32));
+  if constexpr (kMode == Mode::kCodes4) {  // |pair| <= 2 * 15 * 127: two of them fit int16
+    return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1)),
+                             _mm256_set1_epi16(1));
+  } else {
+    return _mm256_add_epi32(signed_dot256(lo, x0), signed_dot256(hi, x1));
+  }
+}
+
+template <Mode kMode, bool kSplit, int R, int MT>
 LLMSERVE_AVX2_TARGET void tile256(const WeightView& w, const ActView& a, const PairTable& t,
                                   int64_t n0, int64_t m0, float* y, int64_t ldy) {
   __m256 acc[R][MT];
@@ -216,13 +245,16 @@ LLMSERVE_AVX2_TARGET void tile256(const WeightView& w, const ActView& a, const P
         for (int r = 0; r < R; ++r) wv[r] = load_weights256<kMode>(w.q + (n0 + r) * w.row_bytes, p, h, half, lut);
         for (int i = 0; i < MT; ++i) {
           const int64_t m = m0 + i;
-          const __m256i xv =
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.xq + m * xq_stride + 64 * p + 32 * h));
+          const int64_t at = m * xq_stride + 64 * p + 32 * h;
+          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.xq + at));
           const __m256 xs = _mm256_loadu_ps(a.xsv + m * lane_stride + 16 * p + 8 * h);
           for (int r = 0; r < R; ++r) {
-            const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(wv[r]), _mm256_sign_epi8(xv, wv[r]));
-            const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
-            acc[r][i] = _mm256_fmadd_ps(dot, _mm256_mul_ps(ws[r][h], xs), acc[r][i]);
+            __m256i dot = signed_dot256(wv[r], xv);
+            if constexpr (kSplit) {
+              const __m256i xv2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.xq2 + at));
+              dot = _mm256_add_epi32(_mm256_slli_epi32(dot, 7), signed_dot256(wv[r], xv2));
+            }
+            acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(ws[r][h], xs), acc[r][i]);
           }
         }
       }
@@ -236,20 +268,12 @@ LLMSERVE_AVX2_TARGET void tile256(const WeightView& w, const ActView& a, const P
       }
       for (int i = 0; i < MT; ++i) {
         const int64_t m = m0 + i;
-        const int8_t* xq = a.xq + m * xq_stride + 64 * p;
-        const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
-        const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32));
+        const int64_t at = m * xq_stride + 64 * p;
         const __m256 xs = _mm256_loadu_ps(a.xsv + m * lane_stride + 16 * p);
         for (int r = 0; r < R; ++r) {
-          __m256i dot;
-          if constexpr (kMode == Mode::kCodes4) {  // |pair| <= 2 * 15 * 127: two of them fit int16
-            dot = _mm256_madd_epi16(
-                _mm256_add_epi16(_mm256_maddubs_epi16(lo[r], x0), _mm256_maddubs_epi16(hi[r], x1)), ones);
-          } else {
-            const __m256i d0 = _mm256_maddubs_epi16(_mm256_abs_epi8(lo[r]), _mm256_sign_epi8(x0, lo[r]));
-            const __m256i d1 = _mm256_maddubs_epi16(_mm256_abs_epi8(hi[r]), _mm256_sign_epi8(x1, hi[r]));
-            dot = _mm256_add_epi32(_mm256_madd_epi16(d0, ones), _mm256_madd_epi16(d1, ones));
-          }
+          __m256i dot = nibble_dot256<kMode>(lo[r], hi[r], a.xq + at);
+          if constexpr (kSplit)
+            dot = _mm256_add_epi32(_mm256_slli_epi32(dot, 7), nibble_dot256<kMode>(lo[r], hi[r], a.xq2 + at));
           acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(ws[r][0], xs), acc[r][i]);
         }
       }
@@ -276,7 +300,8 @@ LLMSERVE_AVX2_TARGET void tile256(const WeightView& w, const ActView& a, const P
 namespace llmserve_quant {
 
 struct PairOut {
-  int8_t* xq;        // [64 * num_pairs]
+  int8_t* xq;        // [64 * num_pairs] (the hi digit when xq2 is set)
+  int8_t* xq2;       // [64 * num_pairs] the lo digit (two-digit activations) or nullptr
   float* xsv;        // [16 * num_pairs]
   int32_t* corr;     // [16 * num_pairs] or nullptr
   float* gsum;       // [num_groups] (zeroed) or nullptr
@@ -289,10 +314,24 @@ LLMSERVE_AVX512_TARGET inline float block_scale512(__m512 a, __m512 b, float* in
   return amax / 127.f;
 }
 
-LLMSERVE_AVX512_TARGET inline __m128i quantize16(__m512 v, float inv) {
+// 16 values -> int8 digit(s): hi = round(t), and with lo set, *lo = round(128 * (t - hi))
+LLMSERVE_AVX512_TARGET inline __m128i quantize16(__m512 v, float inv, __m128i* lo) {
   const __m512 t = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(v, _mm512_set1_ps(inv)),
                                                _mm512_set1_ps(-127.f)), _mm512_set1_ps(127.f));
-  return _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(t));
+  const __m512i hi = _mm512_cvtps_epi32(t);
+  if (lo != nullptr) {
+    const __m512 rest = _mm512_sub_ps(t, _mm512_cvtepi32_ps(hi));  // in [-0.5, 0.5], exact
+    *lo = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(rest, _mm512_set1_ps(128.f))));
+  }
+  return _mm512_cvtsepi32_epi8(hi);
+}
+
+// four 16-column pieces of a pair in register order: natural (8-bit weights), or b0 cols 0..15,
+// b1 cols 0..15, b0 cols 16..31, b1 cols 16..31 (4-bit weights)
+LLMSERVE_AVX512_TARGET inline __m512i pack_pair512(const __m128i* parts, bool nibbles) {
+  const __m512i q = _mm512_inserti32x4(_mm512_castsi128_si512(parts[0]), parts[1], 1);
+  const __m512i all = _mm512_inserti32x4(_mm512_inserti32x4(q, parts[2], 2), parts[3], 3);
+  return nibbles ? _mm512_shuffle_i64x2(all, all, _MM_SHUFFLE(3, 1, 2, 0)) : all;
 }
 
 // one activation row x [K] (K = 32 * num_blocks) into out
@@ -305,19 +344,28 @@ LLMSERVE_AVX512_TARGET inline void quantize_pairs512(const float* x, int64_t num
     const __m512 v2 = both ? _mm512_loadu_ps(xp + 32) : _mm512_setzero_ps();
     const __m512 v3 = both ? _mm512_loadu_ps(xp + 48) : _mm512_setzero_ps();
     float inv0, inv1;
-    const float d0 = block_scale512(v0, v1, &inv0), d1 = block_scale512(v2, v3, &inv1);
-    __m512i q = _mm512_castsi128_si512(quantize16(v0, inv0));
-    q = _mm512_inserti32x4(q, quantize16(v1, inv0), 1);
-    q = _mm512_inserti32x4(q, quantize16(v2, inv1), 2);
-    q = _mm512_inserti32x4(q, quantize16(v3, inv1), 3);
-    if (nibbles) q = _mm512_shuffle_i64x2(q, q, _MM_SHUFFLE(3, 1, 2, 0));  // b0 lo, b1 lo, b0 hi, b1 hi
+    float d0 = block_scale512(v0, v1, &inv0), d1 = block_scale512(v2, v3, &inv1);
+    const bool split = out.xq2 != nullptr;
+    __m128i lo[4];
+    const __m128i hi[4] = {quantize16(v0, inv0, split ? &lo[0] : nullptr),
+                           quantize16(v1, inv0, split ? &lo[1] : nullptr),
+                           quantize16(v2, inv1, split ? &lo[2] : nullptr),
+                           quantize16(v3, inv1, split ? &lo[3] : nullptr)};
+    const __m512i ones = _mm512_set1_epi8(1);
+    const __m512i q = pack_pair512(hi, nibbles);
     _mm512_storeu_si512(out.xq + 64 * p, q);
+    __m512i corr = _mm512_mullo_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, q),
+                                      _mm512_set1_epi32(-128));
+    if (split) {
+      const __m512i q2 = pack_pair512(lo, nibbles);
+      _mm512_storeu_si512(out.xq2 + 64 * p, q2);
+      corr = _mm512_sub_epi32(corr, _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, q2));
+      d0 /= 128.f;  // the combined dot counts in units of 1/128
+      d1 /= 128.f;
+    }
     const __mmask16 second = nibbles ? 0xF0F0 : 0xFF00;
     _mm512_storeu_ps(out.xsv + 16 * p, _mm512_mask_blend_ps(second, _mm512_set1_ps(d0), _mm512_set1_ps(d1)));
-    if (out.corr) {
-      const __m512i sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(1), q);
-      _mm512_storeu_si512(out.corr + 16 * p, _mm512_mullo_epi32(sums, _mm512_set1_epi32(-128)));
-    }
+    if (out.corr) _mm512_storeu_si512(out.corr + 16 * p, corr);
     if (out.gsum) {
       const __m512 halves[4] = {v0, v1, v2, v3};
       for (int h = 0; h < (both ? 4 : 2); ++h)
@@ -326,7 +374,14 @@ LLMSERVE_AVX512_TARGET inline void quantize_pairs512(const float* x, int64_t num
   }
 }
 
-LLMSERVE_AVX2_TARGET inline __m256i quantize32_256(const float* x, float* scale) {
+// 4 x 8 int32 (each in [-127, 127]) -> 32 int8 in order
+LLMSERVE_AVX2_TARGET inline __m256i pack32_256(const __m256i* d) {
+  const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(d[0], d[1]), _mm256_packs_epi32(d[2], d[3]));
+  return _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+// 32 values -> int8 digit(s) in column order (lo: the second digit, or nullptr)
+LLMSERVE_AVX2_TARGET inline __m256i quantize32_256(const float* x, float* scale, __m256i* lo) {
   const __m256 sign = _mm256_set1_ps(-0.f);
   __m256 v[4], m = _mm256_setzero_ps();
   for (int j = 0; j < 4; ++j) {
@@ -338,14 +393,16 @@ LLMSERVE_AVX2_TARGET inline __m256i quantize32_256(const float* x, float* scale)
   const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
   const float inv = amax > 0.f ? 127.f / amax : 0.f;
   *scale = amax / 127.f;
-  __m256i q[4];
+  __m256i q[4], r[4];
   for (int j = 0; j < 4; ++j) {
     const __m256 t = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(v[j], _mm256_set1_ps(inv)),
                                                  _mm256_set1_ps(-127.f)), _mm256_set1_ps(127.f));
     q[j] = _mm256_cvtps_epi32(t);
+    const __m256 rest = _mm256_sub_ps(t, _mm256_cvtepi32_ps(q[j]));  // in [-0.5, 0.5], exact
+    r[j] = _mm256_cvtps_epi32(_mm256_mul_ps(rest, _mm256_set1_ps(128.f)));
   }
-  const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-  return _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  if (lo != nullptr) *lo = pack32_256(r);
+  return pack32_256(q);
 }
 
 LLMSERVE_AVX2_TARGET inline float sum32_256(const float* x) {
@@ -354,21 +411,33 @@ LLMSERVE_AVX2_TARGET inline float sum32_256(const float* x) {
   return hsum256(s);
 }
 
+// blocks b0, b1 (32 int8 each, column order) stored in the pair layout at dst
+LLMSERVE_AVX2_TARGET inline void store_pair256(int8_t* dst, __m256i b0, __m256i b1, bool nibbles) {
+  if (nibbles) {
+    const __m256i h0 = _mm256_permute2x128_si256(b0, b1, 0x20), h1 = _mm256_permute2x128_si256(b0, b1, 0x31);
+    b0 = h0;
+    b1 = h1;
+  }
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), b0);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 32), b1);
+}
+
 // as quantize_pairs512, without corr (the AVX2 tiles use the sign trick)
 LLMSERVE_AVX2_TARGET inline void quantize_pairs256(const float* x, int64_t num_blocks, bool nibbles,
                                                    const PairOut& out) {
   for (int64_t p = 0; 2 * p < num_blocks; ++p) {
     const bool both = 2 * p + 1 < num_blocks;
     float d0, d1 = 0.f;
-    const __m256i b0 = quantize32_256(x + 64 * p, &d0);
-    const __m256i b1 = both ? quantize32_256(x + 64 * p + 32, &d1) : _mm256_setzero_si256();
-    __m256i h0 = b0, h1 = b1;
-    if (nibbles) {
-      h0 = _mm256_permute2x128_si256(b0, b1, 0x20);
-      h1 = _mm256_permute2x128_si256(b0, b1, 0x31);
+    const bool split = out.xq2 != nullptr;
+    __m256i l0 = _mm256_setzero_si256(), l1 = _mm256_setzero_si256();
+    const __m256i b0 = quantize32_256(x + 64 * p, &d0, split ? &l0 : nullptr);
+    const __m256i b1 = both ? quantize32_256(x + 64 * p + 32, &d1, split ? &l1 : nullptr) : _mm256_setzero_si256();
+    store_pair256(out.xq + 64 * p, b0, b1, nibbles);
+    if (split) {
+      store_pair256(out.xq2 + 64 * p, l0, l1, nibbles);
+      d0 /= 128.f;  // the combined dot counts in units of 1/128
+      d1 /= 128.f;
     }
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.xq + 64 * p), h0);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.xq + 64 * p + 32), h1);
     const __m256 s0 = _mm256_set1_ps(d0), s1 = _mm256_set1_ps(d1);
     const __m256 mixed = _mm256_blend_ps(s0, s1, 0xF0);
     _mm256_storeu_ps(out.xsv + 16 * p, nibbles ? mixed : s0);
