@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from llmserve.structured_output.params import StructuredOutputsParams
+
 _SAMPLING_EPS = 1e-5
 
 
@@ -36,6 +38,8 @@ class SamplingParams:
         logprobs: number of top logprobs returned per generated token (the sampled one too).
         prompt_logprobs: number of top logprobs returned per prompt token.
         skip_special_tokens: leave special tokens out of the detokenized text.
+        structured_outputs: constrain the output to a JSON schema, regex, choice list or
+            grammar (``StructuredOutputsParams``, or a dict with its fields).
     """
 
     n: int = 1
@@ -57,8 +61,10 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        self.structured_outputs = StructuredOutputsParams.from_any(self.structured_outputs)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])

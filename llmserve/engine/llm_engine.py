@@ -20,6 +20,7 @@ from llmserve.engine.scheduler import Scheduler, SchedulerOutput
 from llmserve.engine.sequence import FinishReason, Request, Sequence
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams
+from llmserve.structured_output.grammar import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +52,9 @@ class LLMEngine:
         self.tokenizer = get_tokenizer(self.resolved)
         self.max_model_len = self._max_model_len()
         self.eos_token_id = self.tokenizer.eos_token_id
+        self.grammars = GrammarCompiler(
+            self.tokenizer, self.hf_config.vocab_size, self.eos_token_id
+        )  # structured output: built on first use
         self.runner, num_blocks, info = create_runner(
             self.resolved, self.hf_config, config, self.max_model_len, self.eos_token_id
         )
@@ -96,6 +100,9 @@ class LLMEngine:
         params = params or SamplingParams()
         text, prompt_ids = self.tokenize(prompt)
         params = self._admit(prompt_ids, params)
+        grammar = None
+        if params.structured_outputs is not None:  # compiled (and checked) once per constraint
+            grammar = self.grammars.compile(params.structured_outputs)
         request_id = request_id if request_id is not None else f"req-{next(self._request_counter)}"
         if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -105,6 +112,9 @@ class LLMEngine:
         request.seqs = [
             Sequence(next(self._seq_counter), request, i, list(prompt_ids)) for i in range(params.n)
         ]
+        if grammar is not None:
+            for seq in request.seqs:
+                seq.grammar = self.grammars.matcher(grammar)
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None]
         self.scheduler.add(request)

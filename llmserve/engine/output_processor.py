@@ -3,7 +3,7 @@
 Stopping rules, checked per new token (all but the length rules wait for ``min_tokens``):
 a token in ``stop_token_ids``; EOS (unless ``ignore_eos``); a ``stop`` string anywhere in
 the new text, matched across token boundaries (the text is cut before it); ``max_tokens``;
-``max_model_len``. While a request has stop strings, the last ``len(longest) - 1``
+``max_model_len``; a structured-output grammar that admits no further token. While a request has stop strings, the last ``len(longest) - 1``
 characters are held back from unfinished outputs, so a stream never shows the start of a
 stop string that is then taken back.
 """
@@ -33,6 +33,8 @@ def process_sample(
     delta = seq.detokenizer.append(token_id)
     seq.output_text += delta
     if can_stop and params.stop and _match_stop_string(seq, len(delta)):
+        return FinishReason.STOP
+    if seq.grammar is not None and seq.grammar.is_stopped():  # the output is complete
         return FinishReason.STOP
     if seq.num_output_tokens >= seq.request.max_tokens or seq.num_tokens >= max_model_len:
         return FinishReason.LENGTH

@@ -113,6 +113,8 @@ class Scheduler:
             targets = self._fork(seq) if item.num_samples > 1 else [seq]
             for target, (token_id, logprobs) in zip(targets, tokens):
                 target.token_ids.append(token_id)
+                if target.grammar is not None:
+                    target.grammar.consume_token(token_id)
                 sampled.append(SampledSeq(target, token_id, logprobs))
         return sampled
 

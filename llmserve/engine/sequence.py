@@ -64,6 +64,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     detokenizer: Any = None  # IncrementalDetokenizer, set by the engine
+    grammar: Any = None  # structured output: the matcher of this sequence's tokens so far
     output_text: str = ""
 
     @property

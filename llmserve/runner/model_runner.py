@@ -22,6 +22,7 @@ from llmserve.runner import kv_cache
 from llmserve.runner.attention_metadata import AttentionMetadata
 from llmserve.runner.cuda_graph import CUDAGraphRunner
 from llmserve.runner.sampler import Sampler, SamplingRow, compute_prompt_logprobs
+from llmserve.structured_output.masking import apply_grammar_masks
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +143,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[logits_indices])  # [num_sampling, vocab]
         row_of: list[int] = []
         rows: list[SamplingRow] = []
+        grammars = []
         for i, item in enumerate(sampling):
             targets = (
                 item.seq.request.seqs[: item.num_samples] if item.num_samples > 1 else [item.seq]
@@ -149,9 +151,11 @@ class ModelRunner:
             for target in targets:
                 row_of.append(i)
                 rows.append(self._row(item, target))
+                grammars.append(target.grammar)
         if len(rows) != len(sampling):
             logits = logits[torch.tensor(row_of, device=logits.device)]  # forks: one row per child
-        result = self.sampler(logits.float(), rows)
+        logits = apply_grammar_masks(logits.float(), grammars)  # structured output
+        result = self.sampler(logits, rows)
         k = 0
         for item in sampling:  # a fork step samples one row per child: num_samples rows
             out.samples[item.seq.seq_id] = [

@@ -63,6 +63,31 @@ class UsageInfo(OpenAIModel):
     total_tokens: int = 0
 
 
+class StructuredOutputsField(OpenAIModel):
+    """vLLM's ``structured_outputs``: exactly one of the constraints."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+class JsonSchemaFormat(OpenAIModel):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIModel):
+    """OpenAI's ``response_format``: text, json_object or json_schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class SamplingFields(OpenAIModel):
     """Sampling and stopping fields shared by completions and chat completions."""
 
@@ -87,6 +112,7 @@ class SamplingFields(OpenAIModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     user: str | None = None
+    structured_outputs: StructuredOutputsField | None = None  # vLLM's extra field
 
 
 # ---- completions ------------------------------------------------------------------------------
@@ -158,6 +184,7 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    response_format: ResponseFormat | None = None
 
 
 class TopLogprob(OpenAIModel):

@@ -35,7 +35,30 @@ def chat_params(request: ChatCompletionRequest, vocab_size: int) -> SamplingPara
     if max_tokens is None:
         max_tokens = request.max_tokens
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
-    return build_params(request, vocab_size, max_tokens=max_tokens, logprobs=logprobs)
+    structured = _response_format(request)
+    return build_params(
+        request, vocab_size, max_tokens=max_tokens, logprobs=logprobs, structured=structured
+    )
+
+
+def _response_format(request: ChatCompletionRequest) -> dict[str, Any] | None:
+    """OpenAI's ``response_format`` as a structured-output constraint (None for text)."""
+    fmt = request.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    if request.structured_outputs is not None:
+        raise OpenAIError(
+            "give either response_format or structured_outputs, not both",
+            param="response_format",
+        )
+    if fmt.type == "json_object":
+        return {"json_object": True}
+    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+        raise OpenAIError(
+            'response_format of type "json_schema" needs json_schema.schema',
+            param="response_format",
+        )
+    return {"json": fmt.json_schema.schema_}
 
 
 def build_params(
@@ -44,8 +67,11 @@ def build_params(
     max_tokens: int | None,
     logprobs: int | None,
     prompt_logprobs: int | None = None,
+    structured: dict[str, Any] | None = None,
 ) -> SamplingParams:
     """Fields shared by both endpoints; a bad value is a 400 naming the field."""
+    if structured is None and request.structured_outputs is not None:
+        structured = request.structured_outputs.model_dump(by_alias=True, exclude_none=True)
     logit_bias = _logit_bias(request.logit_bias, vocab_size)
     _check_token_ids(request.stop_token_ids or [], vocab_size, "stop_token_ids")
     knobs: dict[str, Any] = {
@@ -70,6 +96,7 @@ def build_params(
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=request.skip_special_tokens,
+            structured_outputs=structured,
             **knobs,
         )
     except ValueError as e:

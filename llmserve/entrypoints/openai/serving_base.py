@@ -97,6 +97,9 @@ class ServingBase:
         """Queue one engine request per prompt; if any is refused, none stays queued."""
         streams: list[RequestStream] = []
         try:
+            if params.structured_outputs is not None:  # compile here, not on the engine's loop
+                grammars = self.engine.engine.grammars
+                await asyncio.to_thread(grammars.compile, params.structured_outputs)
             for i, prompt in enumerate(prompts):
                 request_id_i = request_id if len(prompts) == 1 else f"{request_id}-{i}"
                 streams.append(
