@@ -204,3 +204,163 @@ def test_server_bad_constraints_are_400(server, body, message):
         f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60
     )
     assert health.status_code == 200  # the engine keeps serving
+
+
+# ---- tool calls -----------------------------------------------------------------------------
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["c", "f"]}},
+    "required": ["city"],
+}
+ADD = {
+    "type": "object",
+    "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+    "required": ["a", "b"],
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather in a city",
+            "parameters": WEATHER,
+        },
+    },  # fmt: skip
+    {"type": "function", "function": {"name": "add", "description": "a + b", "parameters": ADD}},
+]
+SCHEMAS = {"get_weather": WEATHER | {"additionalProperties": False}, "add": ADD | {"additionalProperties": False}}  # fmt: skip
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def _client(server):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{server.url}/v1", api_key="none", timeout=120)
+    return client, client.models.list().data[0].id
+
+
+def test_tool_choice_required_and_named_always_validate(server):
+    client, model = _client(server)
+    for tool_choice, names in [("required", set(SCHEMAS)), ({"type": "function", "function": {"name": "add"}}, {"add"})]:  # fmt: skip
+        reply = client.chat.completions.create(
+            model=model, messages=ASK, tools=TOOLS, tool_choice=tool_choice, n=3,
+            temperature=1.0, max_tokens=96,
+        )  # fmt: skip
+        for choice in reply.choices:
+            if choice.finish_reason == "length":
+                continue
+            assert choice.finish_reason == "tool_calls" and choice.message.content is None
+            assert choice.message.tool_calls
+            for call in choice.message.tool_calls:
+                assert call.type == "function" and call.id.startswith("call_")
+                assert call.function.name in names
+                jsonschema.validate(
+                    json.loads(call.function.arguments), SCHEMAS[call.function.name]
+                )
+
+
+def test_tool_calls_stream_and_round_trip(server):
+    client, model = _client(server)
+    stream = client.chat.completions.create(
+        model=model, messages=ASK, tools=TOOLS, tool_choice="required", temperature=0.3,
+        max_tokens=96, stream=True,
+    )  # fmt: skip
+    calls, finish = {}, None
+    for chunk in stream:
+        for delta_call in chunk.choices[0].delta.tool_calls or []:
+            entry = calls.setdefault(delta_call.index, {"name": "", "arguments": "", "id": None})
+            entry["id"] = delta_call.id or entry["id"]
+            entry["name"] += delta_call.function.name or ""
+            entry["arguments"] += delta_call.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and calls
+    first = calls[0]
+    jsonschema.validate(json.loads(first["arguments"]), SCHEMAS[first["name"]])
+    history = ASK + [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": first["id"],
+                    "type": "function",
+                    "function": {"name": first["name"], "arguments": first["arguments"]},
+                }
+            ],
+        },  # fmt: skip
+        {"role": "tool", "tool_call_id": first["id"], "content": "18 C and sunny"},
+    ]
+    answer = client.chat.completions.create(
+        model=model, messages=history, tools=TOOLS, max_tokens=16
+    )
+    assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "not among the tools",
+        ),  # fmt: skip
+        ({"tool_choice": "required"}, "needs a non-empty tools list"),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {"name": "f", "parameters": {"type": "string"}},
+                    }
+                ]
+            },
+            "must be a JSON schema of an object",
+        ),  # fmt: skip
+        (
+            {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "cannot be combined",
+        ),  # fmt: skip
+        (
+            {
+                "tools": TOOLS,
+                "messages": [
+                    {
+                        "role": "assistant",
+                        "tool_calls": [
+                            {
+                                "id": "c",
+                                "type": "function",
+                                "function": {"name": "add", "arguments": "{oops"},
+                            }
+                        ],
+                    }
+                ],
+            },
+            "arguments must be a JSON string",
+        ),  # fmt: skip
+    ],
+)
+def test_bad_tool_requests_are_400(server, body, message):
+    request = {"messages": ASK, "max_tokens": 4} | body
+    response = httpx.post(f"{server.url}/v1/chat/completions", json=request, timeout=60)
+    assert response.status_code == 400, response.text
+    assert message in response.json()["error"]["message"]
+
+
+def test_auto_mode_parses_tool_call_blocks():
+    from llmserve.entrypoints.openai.protocol import ChatCompletionRequest
+    from llmserve.entrypoints.openai.tool_calls import parse_auto
+
+    text = (
+        'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
+        '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+        "<tool_call>{broken</tool_call><tool_call>"
+        + '{"name": "unknown", "arguments": {}}</tool_call>'
+    )
+    request = ChatCompletionRequest(messages=ASK, tools=TOOLS)
+    content, calls = parse_auto(text, request)
+    assert content == "Let me check."  # every block is taken out of the text
+    assert [c.function.name for c in calls] == ["get_weather", "add"]
+    assert json.loads(calls[1].function.arguments) == {"a": 1, "b": 2}
+    single = ChatCompletionRequest(messages=ASK, tools=TOOLS, parallel_tool_calls=False)
+    assert len(parse_auto(text, single)[1]) == 1
+    assert parse_auto("no calls here", request) == ("no calls here", [])

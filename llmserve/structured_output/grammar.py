@@ -31,10 +31,11 @@ def grammar_spec(params: StructuredOutputsParams) -> str:
     llg = _import_llguidance()
     matcher = llg.LLMatcher
     kind = params.kind
+    layout = {"whitespace_flexible": False} if params.disable_any_whitespace else None
     if kind == "json":
-        return matcher.grammar_from_json_schema(json.dumps(params.json))
+        return matcher.grammar_from_json_schema(json.dumps(params.json), defaults=layout)
     if kind == "json_object":
-        return matcher.grammar_from_json_schema(json.dumps({"type": "object"}))
+        return matcher.grammar_from_json_schema(json.dumps({"type": "object"}), defaults=layout)
     if kind == "regex":
         return matcher.grammar_from_regex(params.regex)
     if kind == "choice":  # Lark string literals use JSON's escapes

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
+OPTIONS = ("disable_any_whitespace",)
 
 
 @dataclass
@@ -22,6 +23,8 @@ class StructuredOutputsParams:
             syntax (rules written ``name ::= ...``), whose start rule is ``start`` (Lark)
             or ``root`` (GBNF).
         json_object: any JSON object (OpenAI's ``response_format: {"type": "json_object"}``).
+        disable_any_whitespace: JSON in its compact form (``, `` and ``: `` separators, no
+            newlines or indentation), so no tokens go to layout.
     """
 
     json: dict[str, Any] | str | None = None
@@ -29,6 +32,7 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool = False
+    disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
         chosen = [k for k in KINDS if getattr(self, k) not in (None, False)]
@@ -64,7 +68,8 @@ class StructuredOutputsParams:
     def cache_key(self) -> str:
         """One string per distinct constraint (compiled grammars are cached by it)."""
         value = getattr(self, self.kind)
-        return f"{self.kind}:{jsonlib.dumps(value, sort_keys=True)}"
+        compact = ":compact" if self.disable_any_whitespace else ""
+        return f"{self.kind}{compact}:{jsonlib.dumps(value, sort_keys=True)}"
 
     @classmethod
     def from_any(
@@ -77,9 +82,10 @@ class StructuredOutputsParams:
             raise ValueError(
                 f"structured_outputs must be a StructuredOutputsParams or a dict, got {type(value).__name__}"
             )
-        unknown = sorted(set(value) - set(KINDS))
+        unknown = sorted(set(value) - set(KINDS) - set(OPTIONS))
         if unknown:
             raise ValueError(
-                f"structured_outputs: unknown field(s) {unknown}; allowed: {', '.join(KINDS)}"
+                f"structured_outputs: unknown field(s) {unknown}; "
+                f"allowed: {', '.join(KINDS + OPTIONS)}"
             )
         return cls(**{k: v for k, v in value.items() if v is not None})

@@ -27,8 +27,11 @@ def completion_params(request: CompletionRequest, vocab_size: int) -> SamplingPa
     )
 
 
-def chat_params(request: ChatCompletionRequest, vocab_size: int) -> SamplingParams:
-    """Sampling parameters of a chat request; ``max_completion_tokens`` wins over ``max_tokens``."""
+def chat_params(
+    request: ChatCompletionRequest, vocab_size: int, tool_schema: dict[str, Any] | None = None
+) -> SamplingParams:
+    """Sampling parameters of a chat request; ``max_completion_tokens`` wins over ``max_tokens``.
+    ``tool_schema``: the JSON schema a "required" / named ``tool_choice`` generates under."""
     if request.top_logprobs is not None and not request.logprobs:
         raise OpenAIError("top_logprobs needs logprobs set to true", param="top_logprobs")
     max_tokens = request.max_completion_tokens
@@ -36,6 +39,14 @@ def chat_params(request: ChatCompletionRequest, vocab_size: int) -> SamplingPara
         max_tokens = request.max_tokens
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
     structured = _response_format(request)
+    if tool_schema is not None:
+        if structured is not None or request.structured_outputs is not None:
+            raise OpenAIError(
+                "tool_choice required or a named function cannot be combined with "
+                "response_format or structured_outputs",
+                param="tool_choice",
+            )
+        structured = {"json": tool_schema, "disable_any_whitespace": True}
     return build_params(
         request, vocab_size, max_tokens=max_tokens, logprobs=logprobs, structured=structured
     )

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 
 from llmserve.engine.async_engine import RequestStream
+from llmserve.entrypoints.openai import tool_calls
 from llmserve.entrypoints.openai.errors import OpenAIError
 from llmserve.entrypoints.openai.logprobs import chat_logprobs
 from llmserve.entrypoints.openai.protocol import (
@@ -18,7 +19,10 @@ from llmserve.entrypoints.openai.protocol import (
     ChatMessage,
     ChatResponseMessage,
     ChatStreamChoice,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    ToolCall,
     UsageInfo,
 )
 from llmserve.entrypoints.openai.sampling import chat_params
@@ -40,33 +44,50 @@ class OpenAIServingChat(ServingBase):
     async def create(self, request: ChatCompletionRequest) -> ChatCompletionResponse | EventStream:
         """Queue the conversation; a response, or (``stream``) an SSE event stream."""
         self.check_model(request.model)
-        prompt_ids = self.apply_chat_template(request.messages, request.add_generation_prompt)
-        params = chat_params(request, self.vocab_size)
+        how = tool_calls.mode(request)
+        tool_calls.check_tools(request)
+        messages, tools = tool_calls.conversation(request, self.template_has_tools, how)
+        prompt_ids = self.apply_chat_template(messages, request.add_generation_prompt, tools)
+        params = chat_params(request, self.vocab_size, tool_calls.call_schema(request, how))
         request_id = random_id("chatcmpl")
         prompt = {"prompt_token_ids": prompt_ids}
         streams = await self.add_all(request_id, [prompt], params, request.priority)
         if request.stream:
-            return EventStream(self._stream(request, request_id, streams[0]), streams)
+            return EventStream(self._stream(request, request_id, streams[0], how), streams)
         (out,) = await self.final_outputs(streams)
-        choices = [
-            ChatChoice(
-                index=c.index,
-                message=ChatResponseMessage(content=c.text),
-                logprobs=self._logprobs(request, c, 0),
-                finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason,
+        choices = []
+        for c in out.outputs:
+            content, calls, finish_reason = _reply(request, how, c)
+            choices.append(
+                ChatChoice(
+                    index=c.index,
+                    message=ChatResponseMessage(content=content, tool_calls=calls or None),
+                    logprobs=self._logprobs(request, c, 0),
+                    finish_reason=finish_reason,
+                    stop_reason=c.stop_reason,
+                )
             )
-            for c in out.outputs
-        ]
         return ChatCompletionResponse(
             id=request_id, model=self.model_name, choices=choices, usage=self.usage([out])
         )
 
+    @property
+    def template_has_tools(self) -> bool:
+        """Whether the model's chat template renders a ``tools`` list itself."""
+        return "tools" in (self.tokenizer.chat_template or "")
+
     def apply_chat_template(
-        self, messages: list[ChatMessage], add_generation_prompt: bool = True
+        self,
+        messages: list[ChatMessage] | list[dict],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
     ) -> list[int]:
         """Token ids of the templated conversation; a template error is a 400."""
-        conversation = [_message_dict(m) for m in messages]
+        conversation = [
+            m if isinstance(m, dict) else tool_calls.message_dict(m, self.template_has_tools)
+            for m in messages
+        ]
+        extra = {"tools": tools} if tools else {}
         try:
             return list(
                 self.tokenizer.apply_chat_template(
@@ -74,6 +95,7 @@ class OpenAIServingChat(ServingBase):
                     add_generation_prompt=add_generation_prompt,
                     tokenize=True,
                     return_dict=False,
+                    **extra,
                 )
             )
         except Exception as e:  # jinja errors: roles the template rejects, and the like
@@ -94,10 +116,10 @@ class OpenAIServingChat(ServingBase):
         )
 
     async def _stream(
-        self, request: ChatCompletionRequest, request_id: str, stream: RequestStream
+        self, request: ChatCompletionRequest, request_id: str, stream: RequestStream, how: str
     ) -> AsyncIterator[str]:
         try:
-            async with aclosing(self._events(request, request_id, stream)) as events:
+            async with aclosing(self._events(request, request_id, stream, how)) as events:
                 async for event in events:
                     yield event
         except Exception as e:  # the engine failed mid-stream: say so, then end the stream
@@ -107,7 +129,7 @@ class OpenAIServingChat(ServingBase):
             self.abort([stream])
 
     async def _events(
-        self, request: ChatCompletionRequest, request_id: str, stream: RequestStream
+        self, request: ChatCompletionRequest, request_id: str, stream: RequestStream, how: str
     ) -> AsyncIterator[str]:
         def event(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
             body = ChatCompletionChunk(
@@ -125,7 +147,10 @@ class OpenAIServingChat(ServingBase):
                         progress[c.index] = ChoiceProgress()
                         role = DeltaMessage(role="assistant", content="")
                         yield event([ChatStreamChoice(index=c.index, delta=role)])
-                    choice = self._chunk_choice(request, progress[c.index], c)
+                    if how != "none":  # tools: held back until the reply is known
+                        choice = self._tool_chunk_choice(request, how, progress[c.index], c)
+                    else:
+                        choice = self._chunk_choice(request, progress[c.index], c)
                     if choice is not None:
                         yield event([choice])
         if out is not None and request.stream_options and request.stream_options.include_usage:
@@ -147,15 +172,41 @@ class OpenAIServingChat(ServingBase):
             stop_reason=c.stop_reason,
         )
 
+    def _tool_chunk_choice(
+        self, request: ChatCompletionRequest, how: str, state: ChoiceProgress, c: CompletionOutput
+    ) -> ChatStreamChoice | None:
+        if c.finish_reason is None:
+            return None
+        advanced = state.advance(c, with_tokens=request.logprobs)
+        first_token = advanced[1] if advanced is not None else 0
+        content, calls, finish_reason = _reply(request, how, c)
+        deltas = [
+            DeltaToolCall(
+                index=i,
+                id=call.id,
+                type="function",
+                function=DeltaFunctionCall(
+                    name=call.function.name, arguments=call.function.arguments
+                ),
+            )
+            for i, call in enumerate(calls)
+        ]
+        return ChatStreamChoice(
+            index=c.index,
+            delta=DeltaMessage(content=content, tool_calls=deltas or None),
+            logprobs=self._logprobs(request, c, first_token),
+            finish_reason=finish_reason,
+            stop_reason=c.stop_reason,
+        )
 
-def _message_dict(message: ChatMessage) -> dict[str, str]:
-    """A message as the template wants it: text content only."""
-    content = message.content
-    if isinstance(content, list):
-        if any(part.type != "text" for part in content):
-            raise OpenAIError("only text content parts are supported", param="messages")
-        content = "".join(part.text or "" for part in content)
-    result = {"role": message.role, "content": content or ""}
-    if message.name is not None:
-        result["name"] = message.name
-    return result
+
+def _reply(
+    request: ChatCompletionRequest, how: str, c: CompletionOutput
+) -> tuple[str | None, list[ToolCall], str | None]:
+    """(content, tool calls, finish_reason) of a finished choice."""
+    if how == "none" or c.finish_reason != "stop":
+        return c.text, [], c.finish_reason  # no tools, or cut short: the text as it is
+    if how in ("required", "named"):
+        return None, tool_calls.parse_constrained(c.text), "tool_calls"
+    content, calls = tool_calls.parse_auto(c.text, request)
+    return content, calls, "tool_calls" if calls else c.finish_reason
