@@ -1,14 +1,16 @@
 """llmserve: an LLM inference and serving engine."""
 
 from llmserve.llm import LLM
-from llmserve.outputs import CompletionOutput, RequestOutput
-from llmserve.sampling_params import SamplingParams
+from llmserve.outputs import BeamSearchOutput, CompletionOutput, RequestOutput
+from llmserve.sampling_params import BeamSearchParams, SamplingParams
 from llmserve.structured_output import StructuredOutputsParams
 
 __version__ = "0.1.0"
 __all__ = [
     "LLM",
     "SamplingParams",
+    "BeamSearchParams",
+    "BeamSearchOutput",
     "StructuredOutputsParams",
     "RequestOutput",
     "CompletionOutput",

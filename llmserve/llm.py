@@ -8,8 +8,8 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from llmserve.engine.llm_engine import LLMEngine, PromptType
-from llmserve.outputs import RequestOutput
-from llmserve.sampling_params import SamplingParams
+from llmserve.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from llmserve.sampling_params import BeamSearchParams, SamplingParams
 
 
 class LLM:
@@ -45,6 +45,30 @@ class LLM:
             self.llm_engine.add_request(request_id, prompt, p, priority[i] if priority else 0)
             request_ids.append(request_id)
         return self._run(request_ids, use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """Beam search for every prompt, inside the engine: a prompt's beams share its KV
+        blocks and fork copy-on-write (engine/beam_search.py)."""
+        outputs = self.generate(prompts, params.to_sampling_params(), use_tqdm=use_tqdm)
+        results = []
+        for out in outputs:
+            sequences = [
+                BeamSearchSequence(
+                    tokens=list(out.prompt_token_ids) + c.token_ids,
+                    text=c.text,
+                    cum_logprob=c.cumulative_logprob,
+                    score=c.cumulative_logprob / max(len(c.token_ids), 1) ** params.length_penalty,
+                    finish_reason=c.finish_reason,
+                )
+                for c in out.outputs
+            ]
+            results.append(BeamSearchOutput(sequences))
+        return results
 
     def chat(
         self,

@@ -39,3 +39,21 @@ class RequestOutput:
     prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class BeamSearchSequence:
+    """One result of ``LLM.beam_search``: prompt + generated tokens, text of the generated part."""
+
+    tokens: list[int]
+    text: str
+    cum_logprob: float
+    score: float  # cum_logprob / generated_length ** length_penalty, the ranking key
+    finish_reason: str | None = None
+
+
+@dataclass
+class BeamSearchOutput:
+    """The ``beam_width`` best sequences of one prompt, best first."""
+
+    sequences: list[BeamSearchSequence]

@@ -40,6 +40,10 @@ class SamplingParams:
         skip_special_tokens: leave special tokens out of the detokenized text.
         structured_outputs: constrain the output to a JSON schema, regex, choice list or
             grammar (``StructuredOutputsParams``, or a dict with its fields).
+        use_beam_search: beam search with ``n`` beams instead of sampling (greedy scores;
+            ``LLM.beam_search`` is the usual way in).
+        length_penalty: beam search: a finished beam scores ``cumulative_logprob /
+            generated_length ** length_penalty``.
     """
 
     n: int = 1
@@ -62,6 +66,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         self.structured_outputs = StructuredOutputsParams.from_any(self.structured_outputs)
@@ -78,6 +84,23 @@ class SamplingParams:
     def _validate(self) -> None:
         _check(self.n >= 1, "n", self.n, "an integer >= 1")
         _check(self.temperature >= 0.0, "temperature", self.temperature, ">= 0 (0 is greedy)")
+        if self.use_beam_search:
+            unsupported = [
+                name
+                for name, on in (
+                    ("temperature > 0", self.temperature > 0),
+                    ("stop strings", bool(self.stop)),
+                    ("structured_outputs", self.structured_outputs is not None),
+                    ("logprobs", self.logprobs is not None),
+                    ("min_tokens", self.min_tokens > 0),
+                )
+                if on
+            ]
+            if unsupported:
+                raise ValueError(
+                    f"beam search scores greedy log-probabilities; it cannot be combined with "
+                    f"{', '.join(unsupported)}"
+                )
         _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "in (0, 1]")
         _check(self.top_k >= 0, "top_k", self.top_k, "0 or -1 (disabled), or a positive integer")
         _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "in [0, 1]")
@@ -147,3 +170,39 @@ class SamplingParams:
 def _check(ok: bool, name: str, value: object, allowed: str) -> None:
     if not ok:
         raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+@dataclass
+class BeamSearchParams:
+    """``LLM.beam_search`` parameters (vLLM's names).
+
+    Attributes:
+        beam_width: beams kept per step, and results returned.
+        max_tokens: tokens generated per beam at most.
+        ignore_eos: never end a beam at EOS (every result has ``max_tokens`` tokens).
+        temperature: must be 0 (beams are ranked by greedy log-probabilities).
+        length_penalty: a result scores ``cumulative_logprob / length ** length_penalty``.
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        _check(self.beam_width >= 1, "beam_width", self.beam_width, "an integer >= 1")
+        _check(self.max_tokens >= 1, "max_tokens", self.max_tokens, "an integer >= 1")
+        _check(
+            self.temperature == 0.0, "temperature", self.temperature, "0 (beam search is greedy)"
+        )
+
+    def to_sampling_params(self) -> SamplingParams:
+        return SamplingParams(
+            n=self.beam_width,
+            temperature=0.0,
+            max_tokens=self.max_tokens,
+            ignore_eos=self.ignore_eos,
+            use_beam_search=True,
+            length_penalty=self.length_penalty,
+        )

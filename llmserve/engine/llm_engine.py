@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmserve.config import EngineConfig
+from llmserve.engine.beam_search import BeamState, Hypothesis, final_ranking
 from llmserve.engine.block_manager import BlockManager
 from llmserve.engine.detokenizer import IncrementalDetokenizer
 from llmserve.engine.output_processor import make_request_output, process_sample
@@ -115,6 +116,8 @@ class LLMEngine:
         if grammar is not None:
             for seq in request.seqs:
                 seq.grammar = self.grammars.matcher(grammar)
+        if params.use_beam_search:
+            request.beam = BeamState()
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None]
         self.scheduler.add(request)
@@ -130,6 +133,13 @@ class LLMEngine:
         bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        max_seqs = self.scheduler.config.max_num_seqs
+        if params.n > max_seqs:
+            what = "beam width" if params.use_beam_search else "n"
+            raise ValueError(
+                f"{what} {params.n} needs {params.n} sequences at once but the engine runs at "
+                f"most {max_seqs} (--max-num-seqs)"
+            )
         max_tokens = params.max_tokens
         if max_tokens is None:
             max_tokens = self.max_model_len - num_prompt
@@ -176,8 +186,13 @@ class LLMEngine:
             self.scheduler.requests[request_id].prompt_logprobs.extend(logprobs)
         changed: dict[str, Request] = {}
         now = time.monotonic()
-        for sample in self.scheduler.update(sched, result.samples):
+        for sample in self.scheduler.update(sched, result.samples, self.eos_token_id):
             seq = sample.seq
+            changed[seq.request.request_id] = seq.request
+            self.stats.num_generation_tokens += 1
+            if seq.request.beam is not None:  # text is decoded once, at the end
+                self._beam_progress(seq)
+                continue
             if seq.detokenizer is None:
                 seq.detokenizer = IncrementalDetokenizer(
                     self.tokenizer,
@@ -188,9 +203,30 @@ class LLMEngine:
             if reason is not None:
                 self._finish(seq, reason)
             self._touch(seq.request, now)
-            self.stats.num_generation_tokens += 1
-            changed[seq.request.request_id] = seq.request
+        for item in sched.scheduled:  # beam requests the scheduler ended this step
+            request = item.seq.request
+            if request.beam is not None and request.is_finished and request.beam.results is None:
+                self._beam_results(request)
+                changed[request.request_id] = request
         return [make_request_output(r) for r in changed.values()]
+
+    def _beam_progress(self, seq: Sequence) -> None:
+        """A beam that reached max_tokens (or max_model_len) ends as a candidate result."""
+        if seq.num_output_tokens >= seq.request.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.request.beam.ended.append(
+                Hypothesis(seq.output_token_ids, seq.cumulative_logprob, finish_reason="length")
+            )
+            self.scheduler.finish(seq, FinishReason.LENGTH)
+
+    def _beam_results(self, request: Request) -> None:
+        params = request.params
+        results = final_ranking(request.beam, params.n, params.length_penalty)
+        for h in results:
+            h.text = self.tokenizer.decode(
+                h.token_ids, skip_special_tokens=params.skip_special_tokens
+            )
+        request.beam.results = results
+        request.metrics.finished_time = time.monotonic()
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         if seq.stop_reason is None or isinstance(seq.stop_reason, int):

@@ -59,6 +59,8 @@ def _match_stop_string(seq: Sequence, delta_len: int) -> bool:
 def make_request_output(request: Request) -> RequestOutput:
     """A snapshot of everything the request produced so far."""
     params = request.params
+    if request.beam is not None:
+        return _beam_output(request)
     holdback = max((len(s) for s in params.stop), default=1) - 1
     outputs = []
     for seq in request.seqs[: len(request.seqs) if request.is_forked else 1]:
@@ -83,6 +85,42 @@ def make_request_output(request: Request) -> RequestOutput:
         outputs=outputs,
         finished=request.is_finished,
         prompt_logprobs=request.prompt_logprobs if params.prompt_logprobs is not None else None,
+        num_cached_tokens=request.seqs[0].num_cached_tokens,
+        metrics=vars(request.metrics).copy(),
+    )
+
+
+def _beam_output(request: Request) -> RequestOutput:
+    """Beam search: the ranked results once finished, the live beams (no text) before."""
+    results = request.beam.results
+    if results is not None:
+        outputs = [
+            CompletionOutput(
+                index=i,
+                text=h.text,
+                token_ids=list(h.token_ids),
+                cumulative_logprob=h.cumulative_logprob,
+                finish_reason=h.finish_reason,
+            )
+            for i, h in enumerate(results)
+        ]
+    else:
+        live = [s for s in request.seqs if not s.is_finished]
+        outputs = [
+            CompletionOutput(
+                index=i,
+                text="",
+                token_ids=list(s.output_token_ids),
+                cumulative_logprob=s.cumulative_logprob,
+            )  # fmt: skip
+            for i, s in enumerate(live)
+        ]
+    return RequestOutput(
+        request_id=request.request_id,
+        prompt=request.prompt,
+        prompt_token_ids=request.prompt_token_ids,
+        outputs=outputs,
+        finished=results is not None,
         num_cached_tokens=request.seqs[0].num_cached_tokens,
         metrics=vars(request.metrics).copy(),
     )

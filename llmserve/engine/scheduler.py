@@ -19,8 +19,10 @@ from __future__ import annotations
 import bisect
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from llmserve.config import SchedulerConfig
+from llmserve.engine import beam_search
 from llmserve.engine.batching import make_policy
 from llmserve.engine.block_manager import BlockManager
 from llmserve.engine.sequence import FinishReason, Request, Sequence, SequenceStatus
@@ -97,10 +99,15 @@ class Scheduler:
         return out
 
     def update(
-        self, out: SchedulerOutput, samples: dict[int, list[tuple[int, dict | None]]]
+        self,
+        out: SchedulerOutput,
+        samples: dict[int, list[tuple[int, Any]]],
+        eos_token_id: int | None = None,
     ) -> list[SampledSeq]:
-        """Advance sequences by what the runner computed; ``samples`` maps seq_id -> tokens."""
+        """Advance sequences by what the runner computed; ``samples`` maps seq_id -> tokens
+        (for a beam: its candidate tokens and their log-probabilities)."""
         sampled: list[SampledSeq] = []
+        beam_groups: dict[str, list[Sequence]] = {}
         for item in out.scheduled:
             seq = item.seq
             if seq.is_finished:  # aborted while the step ran
@@ -109,6 +116,9 @@ class Scheduler:
             self.block_manager.cache_full_blocks(seq)
             if item.num_samples == 0:
                 continue
+            if seq.request.params.use_beam_search:
+                beam_groups.setdefault(seq.request.request_id, []).append(seq)
+                continue
             tokens = samples[seq.seq_id]
             targets = self._fork(seq) if item.num_samples > 1 else [seq]
             for target, (token_id, logprobs) in zip(targets, tokens):
@@ -116,7 +126,57 @@ class Scheduler:
                 if target.grammar is not None:
                     target.grammar.consume_token(token_id)
                 sampled.append(SampledSeq(target, token_id, logprobs))
+        for stepped in beam_groups.values():
+            sampled.extend(self._beam_step(stepped, samples, eos_token_id))
         return sampled
+
+    def _beam_step(
+        self, stepped: list[Sequence], samples: dict, eos_token_id: int | None
+    ) -> list[SampledSeq]:
+        """Choose a request's next beams from its candidates (engine/beam_search.py)."""
+        request = stepped[0].request
+        params, state = request.params, request.beam
+        request.is_forked = True
+        waiting = [s for s in request.seqs if s not in stepped and s in self.waiting + self.running]
+        beams = [(s, s.cumulative_logprob, s.output_token_ids, samples[s.seq_id]) for s in stepped]
+        width = params.n - len(waiting)  # preempted siblings keep their places
+        continuations, finished = beam_search.select(beams, width, eos_token_id, params.ignore_eos)
+        state.hypotheses.extend(finished)
+        parents = {id(c.parent) for c in continuations}
+        spare = [s for s in request.seqs if s not in waiting and id(s) not in parents]
+        plan, taken = [], set()
+        for c in continuations:  # the first beam from a parent is the parent; others fork it
+            target = c.parent if id(c.parent) not in taken else spare.pop()
+            taken.add(id(c.parent))
+            plan.append((target, c))
+        for target, c in plan:
+            if target is not c.parent:
+                self._become_fork(target, c.parent)
+        sampled = []
+        for target, c in plan:
+            target.token_ids.append(c.token_id)
+            target.cumulative_logprob = c.cumulative_logprob
+            sampled.append(SampledSeq(target, c.token_id, None))
+        for seq in spare:  # pruned: its blocks go back now
+            self.finish(seq, FinishReason.STOP)
+        best = continuations[0].cumulative_logprob if continuations else None
+        length = len(stepped[0].output_token_ids) + 1
+        if beam_search.is_done(state, best, length, params.n, params.length_penalty):
+            for seq in request.seqs:
+                self.finish(seq, FinishReason.STOP)
+            return []
+        return sampled
+
+    def _become_fork(self, child: Sequence, parent: Sequence) -> None:
+        """Turn ``child`` (pruned or not yet started) into a copy of ``parent``'s beam."""
+        self.block_manager.free(child)
+        child.token_ids = list(parent.token_ids)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_cached_tokens = parent.num_cached_tokens
+        self.block_manager.fork(parent, child)
+        if child.status is not SequenceStatus.RUNNING:
+            child.status, child.finish_reason = SequenceStatus.RUNNING, None
+            self._insert(self.running, child)
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """End one sequence and free its blocks."""

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from llmserve.engine.beam_search import BeamState
 from llmserve.sampling_params import SamplingParams
 
 
@@ -109,6 +110,7 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     is_forked: bool = False  # True once all n sequences exist and run
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    beam: BeamState | None = None  # beam search requests only
 
     @property
     def num_prompt_tokens(self) -> int:

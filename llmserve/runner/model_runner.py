@@ -141,6 +141,14 @@ class ModelRunner:
         if not sampling:
             return
         logits = self.model.compute_logits(hidden[logits_indices])  # [num_sampling, vocab]
+        is_beam = [s.seq.request.params.use_beam_search for s in sampling]
+        if any(is_beam):
+            beam_rows = [i for i, b in enumerate(is_beam) if b]
+            self._beam_candidates([sampling[i] for i in beam_rows], logits[beam_rows], out)
+            rest = [i for i, b in enumerate(is_beam) if not b]
+            if not rest:
+                return
+            sampling, logits = [sampling[i] for i in rest], logits[rest]
         row_of: list[int] = []
         rows: list[SamplingRow] = []
         grammars = []
@@ -163,6 +171,21 @@ class ModelRunner:
                 for j in range(k, k + item.num_samples)
             ]
             k += item.num_samples
+
+    def _beam_candidates(
+        self, items: list[ScheduledSeq], logits: torch.Tensor, out: RunnerOutput
+    ) -> None:
+        """Per beam: its 2 x width best next tokens and their log-probabilities (log-softmax
+        of the raw logits, EOS then masked with ignore_eos: transformers' order)."""
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        for row, item in enumerate(items):
+            params = item.seq.request.params
+            if params.ignore_eos and self.eos_token_id is not None:
+                logprobs[row, self.eos_token_id] = float("-inf")
+            top = logprobs[row].topk(min(2 * params.n, logprobs.shape[-1]))
+            out.samples[item.seq.seq_id] = list(
+                zip(top.indices.tolist(), top.values.tolist(), strict=True)
+            )
 
     def _row(self, item: ScheduledSeq, target) -> SamplingRow:
         request = item.seq.request

@@ -124,6 +124,9 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = 16
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
+    use_beam_search: bool = False  # vLLM's extra fields: beam search in the engine
+    beam_width: int | None = Field(None, ge=1, le=MAX_N)  # default: n; returns this many choices
+    length_penalty: float = 1.0
 
     @field_validator("prompt", mode="wrap")
     @classmethod

@@ -18,13 +18,31 @@ _OPTIONAL_KNOBS = ("temperature", "top_p", "top_k", "min_p")
 def completion_params(request: CompletionRequest, vocab_size: int) -> SamplingParams:
     """Sampling parameters of a completion request (``echo`` + ``logprobs`` asks for prompt logprobs)."""
     wants_prompt_logprobs = request.echo and request.logprobs is not None
-    return build_params(
+    params = build_params(
         request,
         vocab_size,
         max_tokens=request.max_tokens,
         logprobs=request.logprobs,
         prompt_logprobs=request.logprobs if wants_prompt_logprobs else None,
     )
+    if not request.use_beam_search:
+        if request.beam_width is not None:
+            raise OpenAIError("beam_width needs use_beam_search: true", param="beam_width")
+        return params
+    width = request.beam_width or request.n
+    if request.n not in (1, width):
+        raise OpenAIError(
+            f"with use_beam_search, n ({request.n}) must be 1 or beam_width ({width}): "
+            "the response has beam_width choices",
+            param="n",
+        )
+    try:
+        return SamplingParams(
+            **{**vars(params), "n": width, "temperature": 0.0, "use_beam_search": True,
+               "length_penalty": request.length_penalty},
+        )  # fmt: skip
+    except ValueError as e:
+        raise error_from_exception(e) from e
 
 
 def chat_params(
