@@ -27,9 +27,19 @@ def get_tokenizer(
     )
     if resolved.kind == "gguf":
         _set_gguf_special_tokens(tokenizer, resolved)
+        if tokenizer.chat_template is None:
+            tokenizer.chat_template = _default_chat_template(resolved)
     if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def _default_chat_template(resolved: ResolvedModel) -> str | None:
+    """The family's own template for a GGUF file that carries none (see chat_templates.py)."""
+    from llmserve.loader.chat_templates import DEFAULT_CHAT_TEMPLATES
+    from llmserve.loader.gguf_loader import gguf_architecture
+
+    return DEFAULT_CHAT_TEMPLATES.get(gguf_architecture(resolved.weights_path))
 
 
 def _set_gguf_special_tokens(tokenizer: PreTrainedTokenizerBase, resolved: ResolvedModel) -> None:

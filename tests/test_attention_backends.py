@@ -18,7 +18,7 @@ from llmserve import LLM, SamplingParams  # noqa: E402
 from llmserve.kernels import cpu as cpu_kernels  # noqa: E402
 from llmserve.kernels.reference import ref_paged_attention  # noqa: E402
 from llmserve.layers import paged_attention_torch as pat  # noqa: E402
-from llmserve.runner.attention_metadata import AttentionMetadata  # noqa: E402
+from llmserve.layers.attention_metadata import AttentionMetadata  # noqa: E402
 from tests.conftest import assert_no_leaks  # noqa: E402
 from tests.kernels.kernel_testing import make_paged_batch  # noqa: E402
 

@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
-from llmserve.runner.attention_metadata import AttentionMetadata  # noqa: E402
+from llmserve.layers.attention_metadata import AttentionMetadata  # noqa: E402
 from llmserve.runner.cuda_graph import CUDAGraphRunner, bucket_for, capture_sizes  # noqa: E402
 
 BLOCK_SIZE = 8

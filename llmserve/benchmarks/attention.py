@@ -32,9 +32,9 @@ from torch.nn import functional as F
 from llmserve.benchmarks.report import format_table, machine_info, write_json
 from llmserve.kernels import cpu as cpu_kernels
 from llmserve.layers.attention import Attention
+from llmserve.layers.attention_metadata import AttentionMetadata
 from llmserve.layers.cpu_linear import PackedLinear
 from llmserve.layers.paged_attention_torch import build_plan, paged_attention_torch
-from llmserve.runner.attention_metadata import AttentionMetadata
 from llmserve.runner.worker import resolve_attention_backend
 
 LINEAR_TYPES = (torch.nn.Linear, PackedLinear)  # PackedLinear: oneDNN-packed fp32 on CPU

@@ -1,6 +1,6 @@
 """Plain-torch references for every kernel: slow, loop-based where that is clearer, used by tests.
 
-KV pool layout (see ``llmserve/runner/attention_metadata.py``):
+KV pool layout (see ``llmserve/layers/attention_metadata.py``):
 
     k_cache: [num_blocks, block_size, num_kv_heads, head_dim]
     position p of sequence b lives at block_tables[b][p // block_size], offset p % block_size

@@ -1,12 +1,18 @@
-"""Attention over the paged KV cache, with a choice of backend (torch or Triton)."""
+"""Attention over the paged KV cache, with a choice of backend (torch, cpp or Triton).
+
+ALiBi, logit soft-capping and a sliding window that a context outgrows take the eager path
+(``paged_attention_eager``) in every backend; a window the context still fits in changes
+nothing, so those steps keep the backend's own kernels.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from llmserve.layers.attention_metadata import AttentionMetadata
+from llmserve.layers.paged_attention_eager import ScoreOptions, paged_attention_eager
 from llmserve.layers.paged_attention_torch import TorchAttentionPlan, paged_attention_torch
-from llmserve.runner.attention_metadata import AttentionMetadata
 
 KVCache = tuple[
     torch.Tensor, torch.Tensor
@@ -17,7 +23,15 @@ class Attention(nn.Module):
     """Writes this step's K/V into the pool, then attends over each sequence's context."""
 
     def __init__(
-        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, backend: str
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        backend: str,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+        alibi_slopes: torch.Tensor | None = None,
     ):
         super().__init__()
         if num_heads % num_kv_heads:
@@ -27,6 +41,28 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
         self.backend = backend
+        self.sliding_window = sliding_window or None
+        self.softcap = softcap or None
+        # [num_heads] float32; a plain attribute, so ``model.to(dtype)`` leaves it float32
+        self.alibi_slopes = None if alibi_slopes is None else alibi_slopes.float()
+
+    def needs_eager(self, meta: AttentionMetadata) -> bool:
+        """Whether this step needs scores the fused kernels cannot produce."""
+        window = self.sliding_window is not None and meta.max_seq_len > self.sliding_window
+        return window or self.softcap is not None or self.alibi_slopes is not None
+
+    def _eager(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        if self.backend == "triton":
+            from llmserve import kernels
+
+            kernels.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        else:
+            write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        slopes = self.alibi_slopes
+        if slopes is not None and slopes.device != q.device:
+            slopes = self.alibi_slopes = slopes.to(q.device)
+        opts = ScoreOptions(self.scale, self.sliding_window, self.softcap, slopes)
+        return paged_attention_eager(q, k_cache, v_cache, meta, opts)
 
     def forward(
         self,
@@ -42,7 +78,9 @@ class Attention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
-        if self.backend == "triton":
+        if self.needs_eager(meta):
+            out = self._eager(q, k, v, k_cache, v_cache, meta)
+        elif self.backend == "triton":
             out = self._triton(q, k, v, k_cache, v_cache, meta)
         else:
             write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -86,3 +124,17 @@ def write_kv(
     kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def has_eager_attention(model: nn.Module, max_model_len: int) -> bool:
+    """Whether some layer can take the eager path (its per-sequence loop reads host-side
+    lengths, so a CUDA graph cannot capture it); a window no context outgrows never does."""
+    return any(
+        isinstance(m, Attention)
+        and (
+            (m.sliding_window is not None and m.sliding_window < max_model_len)
+            or m.softcap is not None
+            or m.alibi_slopes is not None
+        )
+        for m in model.modules()
+    )

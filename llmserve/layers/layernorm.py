@@ -1,4 +1,4 @@
-"""RMSNorm, with the residual add fused into the same call."""
+"""RMSNorm (the residual add fused into the same call), Gemma's (1 + w) RMSNorm, and ``make_norm``."""
 
 from __future__ import annotations
 
@@ -46,3 +46,28 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         variance = x32.pow(2).mean(-1, keepdim=True)  # [num_tokens, 1]
         return (x32 * torch.rsqrt(variance + self.eps)).to(dtype) * self.weight
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: ``x / rms(x) * (1 + weight)`` computed in float32 (weights stored as offsets)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def make_norm(kind: str, hidden_size: int, eps: float, bias: bool = True) -> nn.Module:
+    """``kind``: "layer" (LayerNorm, ``bias`` optional), "rms" or "gemma_rms"; torch ops only."""
+    if kind == "layer":
+        return nn.LayerNorm(hidden_size, eps=eps, bias=bias)
+    if kind == "rms":
+        return RMSNorm(hidden_size, eps)
+    if kind == "gemma_rms":
+        return GemmaRMSNorm(hidden_size, eps)
+    raise ValueError(f"norm kind {kind!r} is not one of layer, rms, gemma_rms")

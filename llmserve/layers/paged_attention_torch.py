@@ -33,7 +33,7 @@ import torch
 from torch.nn import functional as F
 
 from llmserve.kernels import cpu as cpu_kernels
-from llmserve.runner.attention_metadata import AttentionMetadata
+from llmserve.layers.attention_metadata import AttentionMetadata
 
 TILE_BYTES_PER_THREAD = 2 << 20  # gathered K + V per decode tile, per thread: about one L2
 

@@ -7,6 +7,7 @@ GGUF (llama.cpp's format) differs from a Hugging Face checkpoint in four ways, u
     dtypes    Q4_1 / Q8_0 / Q6_K blocks    -> fp32 (gguf.quants.dequantize)
     rotary    q/k rows of each head interleaved for llama.cpp's pairwise rope (llama only)
               -> HF's rotate-half order
+    norms     Gemma's (1 + w) norm weights stored as 1 + w (gemma3 only) -> w
 """
 
 import functools
@@ -19,7 +20,7 @@ from typing import Any
 import gguf
 import numpy as np
 import torch
-from transformers import LlamaConfig, PretrainedConfig, Qwen2Config
+from transformers import Gemma3TextConfig, LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config
 
 from llmserve.quantization.gguf import (
     FLOAT_TYPES,
@@ -36,6 +37,8 @@ _ARCHITECTURES: dict[str, tuple[type[PretrainedConfig], str, bool]] = {
     "llama": (LlamaConfig, "LlamaForCausalLM", True),
     "mistral": (LlamaConfig, "LlamaForCausalLM", True),
     "qwen2": (Qwen2Config, "Qwen2ForCausalLM", False),
+    "qwen3": (Qwen3Config, "Qwen3ForCausalLM", False),
+    "gemma3": (Gemma3TextConfig, "Gemma3ForCausalLM", False),
 }
 
 _GLOBAL_TENSOR_NAMES = {
@@ -54,6 +57,19 @@ _LAYER_TENSOR_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Per architecture, where its tensors differ from llama's.
+_ARCH_LAYER_TENSOR_NAMES = {
+    "qwen3": {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
+    "gemma3": {
+        "attn_q_norm": "self_attn.q_norm",
+        "attn_k_norm": "self_attn.k_norm",
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
+}
+# Architectures whose converter stored every norm weight as 1 + w.
+_NORM_PLUS_ONE = {"gemma3"}
 # Tensors with no Hugging Face parameter: llama3-style rope frequency factors.
 _SKIPPED_TENSORS = {"rope_freqs.weight"}
 _LAYER_TENSOR_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
@@ -91,6 +107,11 @@ def _cached_reader(path: str, mtime_ns: int, size: int) -> gguf.GGUFReader:
 def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
     field = reader.fields.get(key)
     return default if field is None else field.contents()
+
+
+def gguf_architecture(path: str) -> str | None:
+    """The file's ``general.architecture`` (llama, qwen2, gemma3, ...)."""
+    return _field(_open_reader(str(path)), "general.architecture")
 
 
 def _architecture(reader: gguf.GGUFReader, path: str) -> str:
@@ -149,7 +170,7 @@ def _token_ids(reader: gguf.GGUFReader) -> dict[str, int]:
 
 
 def load_gguf_config(path: str) -> PretrainedConfig:
-    """Build a transformers config (LlamaConfig or Qwen2Config) from a GGUF file's metadata."""
+    """Build a transformers config (Llama, Qwen2, Qwen3, Gemma 3) from a GGUF file's metadata."""
     reader = _open_reader(str(path))
     arch = _architecture(reader, path)
     config_cls, hf_architecture, _ = _ARCHITECTURES[arch]
@@ -173,27 +194,55 @@ def load_gguf_config(path: str) -> PretrainedConfig:
     )
     if (rope_scaling := _rope_scaling(reader, arch)) is not None:
         kwargs["rope_scaling"] = rope_scaling
-    if config_cls is LlamaConfig:
+    if config_cls in (LlamaConfig, Qwen3Config):
         head_dim = _field(reader, f"{arch}.attention.key_length", hidden_size // num_heads)
         kwargs["head_dim"] = int(head_dim)
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
+    if arch == "gemma3":
+        kwargs.update(
+            _gemma3_config(reader, kwargs.pop("rope_theta"), kwargs.pop("rope_scaling", None))
+        )
     if "rope_freqs.weight" in tensor_names:
         logger.warning("%s: rope_freqs.weight (llama3 rope factors) is ignored", path)
     return config_cls(**kwargs)
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
+def _gemma3_config(
+    reader: gguf.GGUFReader, rope_theta: float, rope_scaling: dict[str, Any] | None
+) -> dict[str, Any]:
+    """Gemma 3's extras: head_dim, the sliding window, and RoPE per layer kind (llama.cpp
+    keeps only the global base; local layers use 10000, and every sixth layer is global).
+    The attention scale is not stored either: as llama.cpp, 1/sqrt(head_dim), except the
+    27B's 1/sqrt(hidden / heads)."""
+    head_dim = int(_required(reader, "gemma3.attention.key_length"))
+    hidden = int(_required(reader, "gemma3.embedding_length"))
+    heads = int(_required(reader, "gemma3.attention.head_count"))
+    is_27b = hidden == 5376 and int(_required(reader, "gemma3.block_count")) == 62
+    global_rope = {"rope_type": "default", **(rope_scaling or {}), "rope_theta": rope_theta}
+    return dict(
+        head_dim=head_dim,
+        query_pre_attn_scalar=hidden // heads if is_27b else head_dim,
+        sliding_window=int(_required(reader, "gemma3.attention.sliding_window")),
+        rope_parameters={
+            "full_attention": global_rope,
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+    )
+
+
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     """Map a GGUF tensor name to its Hugging Face name (None: no HF counterpart)."""
     if gguf_name in _SKIPPED_TENSORS:
         return None
     base, _, suffix = gguf_name.rpartition(".")
     if base in _GLOBAL_TENSOR_NAMES and suffix in ("weight", "bias"):
         return f"{_GLOBAL_TENSOR_NAMES[base]}.{suffix}"
+    names = {**_LAYER_TENSOR_NAMES, **_ARCH_LAYER_TENSOR_NAMES.get(arch, {})}
     match = _LAYER_TENSOR_RE.fullmatch(gguf_name)
-    if match is None or match.group(2) not in _LAYER_TENSOR_NAMES:
+    if match is None or match.group(2) not in names:
         raise ValueError(f"GGUF tensor {gguf_name!r} has no known Hugging Face name")
     layer, part, suffix = match.groups()
-    return f"model.layers.{layer}.{_LAYER_TENSOR_NAMES[part]}.{suffix}"
+    return f"model.layers.{layer}.{names[part]}.{suffix}"
 
 
 def dequantize_tensor(tensor: gguf.ReaderTensor) -> torch.Tensor:
@@ -271,7 +320,7 @@ def _iter_gguf(path: str, keep_quantized: bool) -> Iterator[tuple[str, Any]]:
     is_permuted = _ARCHITECTURES[arch][2]
     num_heads, num_kv_heads = _head_counts(reader, arch)
     for tensor in reader.tensors:
-        name = hf_tensor_name(tensor.name)
+        name = hf_tensor_name(tensor.name, arch)
         if name is None:
             continue
         heads = _permuted_heads(name, is_permuted, num_heads, num_kv_heads)
@@ -284,4 +333,6 @@ def _iter_gguf(path: str, keep_quantized: bool) -> Iterator[tuple[str, Any]]:
             weight = dequantize_tensor(tensor)
             if heads is not None:
                 weight = unpermute_rotary_rows(weight, heads)
+            if arch in _NORM_PLUS_ONE and name.endswith("norm.weight"):
+                weight = weight - 1
         yield name, weight

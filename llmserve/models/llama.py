@@ -1,7 +1,8 @@
 """Llama-family decoder (Llama, Mistral, Qwen2, SmolLM): our own implementation.
 
 Projections are fused: ``qkv_proj`` holds q, k and v rows; ``gate_up_proj`` holds gate and up.
-Optional q/k/v bias (Qwen2), tied or separate LM head, any ``num_key_value_heads`` (GQA/MQA).
+Optional q/k/v bias (Qwen2), tied or separate LM head, any ``num_key_value_heads`` (GQA/MQA),
+sliding-window layers (Mistral's ``sliding_window``, Qwen2's ``layer_types``).
 """
 
 from __future__ import annotations
@@ -14,13 +15,16 @@ from torch import nn
 
 from llmserve.layers.activation import SiluAndMul
 from llmserve.layers.attention import Attention, KVCache
+from llmserve.layers.attention_metadata import AttentionMetadata
 from llmserve.layers.layernorm import RMSNorm
 from llmserve.layers.rotary import RotaryEmbedding, rope_parameters, to_interleaved
-from llmserve.runner.attention_metadata import AttentionMetadata
+from llmserve.models.decoder import layer_windows
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: Any, max_model_len: int, backend: str):
+    def __init__(
+        self, config: Any, max_model_len: int, backend: str, sliding_window: int | None = None
+    ):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
@@ -38,7 +42,12 @@ class LlamaAttention(nn.Module):
             backend,
         )
         self.attn = Attention(
-            self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, backend
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.head_dim**-0.5,
+            backend,
+            sliding_window=sliding_window,
         )
 
     def forward(
@@ -72,9 +81,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, max_model_len: int, backend: str):
+    def __init__(
+        self, config: Any, max_model_len: int, backend: str, sliding_window: int | None = None
+    ):
         super().__init__()
-        self.self_attn = LlamaAttention(config, max_model_len, backend)
+        self.self_attn = LlamaAttention(config, max_model_len, backend, sliding_window)
         self.mlp = LlamaMLP(config, backend)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend)
@@ -107,8 +118,8 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, max_model_len, attention_backend)
-            for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, max_model_len, attention_backend, window)
+            for window in layer_windows(config)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, attention_backend)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))

@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from llmserve.runner.attention_metadata import AttentionMetadata
+from llmserve.layers.attention_metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 

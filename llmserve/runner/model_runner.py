@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 import torch
 
 from llmserve.engine.scheduler import ScheduledSeq, SchedulerOutput
+from llmserve.layers.attention_metadata import AttentionMetadata
 from llmserve.layers.paged_attention_torch import build_plan
 from llmserve.runner import kv_cache
-from llmserve.runner.attention_metadata import AttentionMetadata
 from llmserve.runner.cuda_graph import CUDAGraphRunner
 from llmserve.runner.sampler import Sampler, SamplingRow, compute_prompt_logprobs
 from llmserve.structured_output.masking import apply_grammar_masks

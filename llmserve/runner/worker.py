@@ -7,6 +7,7 @@ import logging
 import torch
 
 from llmserve.config import EngineConfig
+from llmserve.layers.attention import has_eager_attention
 from llmserve.layers.cpu_linear import can_pack, pack_linear_layers
 from llmserve.loader import ResolvedModel, iter_weights
 from llmserve.models.registry import get_model_class
@@ -132,7 +133,11 @@ def create_runner(
         )
     caches = kv_cache.allocate(spec, num_blocks, device)
     graphs = None
-    if device.type == "cuda" and backend == "triton" and not config.device.enforce_eager:
+    use_graphs = device.type == "cuda" and backend == "triton" and not config.device.enforce_eager
+    if use_graphs and has_eager_attention(model, max_model_len):
+        logger.info("CUDA graphs off: ALiBi, soft-capping or sliding windows run eager attention")
+        use_graphs = False
+    if use_graphs:
         graphs = CUDAGraphRunner(
             model, caches, config.scheduler.max_num_seqs, max_model_len, spec.block_size, device
         )

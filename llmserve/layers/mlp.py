@@ -1,0 +1,62 @@
+"""Feed-forward blocks: gated (SwiGLU, GeGLU: ``down(act(gate) * up)``) or plain (``down(act(up))``).
+
+Activation names are Hugging Face's (``hidden_act``); every one maps to a torch function.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(1.702 * x)
+
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu": F.gelu,
+    "gelu_new": _gelu_tanh,
+    "gelu_fast": _gelu_tanh,
+    "gelu_pytorch_tanh": _gelu_tanh,
+    "quick_gelu": _quick_gelu,
+    "relu": F.relu,
+    "silu": F.silu,
+    "swish": F.silu,
+}
+
+
+def get_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    if name not in ACTIVATIONS:
+        raise ValueError(f"activation {name!r} is not supported; supported: {sorted(ACTIVATIONS)}")
+    return ACTIVATIONS[name]
+
+
+class MLP(nn.Module):
+    """``gated``: ``gate_up_proj`` holds gate then up rows; else ``up_proj``. Then ``down_proj``."""
+
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, act: str, gated: bool, bias: bool = False
+    ):
+        super().__init__()
+        self.gated = gated
+        self.intermediate_size = intermediate_size
+        width = 2 * intermediate_size if gated else intermediate_size
+        if gated:
+            self.gate_up_proj = nn.Linear(hidden_size, width, bias=bias)
+        else:
+            self.up_proj = nn.Linear(hidden_size, width, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.act = get_activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, intermediate] each
+            return self.down_proj(self.act(gate) * up)
+        return self.down_proj(self.act(self.up_proj(x)))

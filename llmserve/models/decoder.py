@@ -1,0 +1,343 @@
+"""The decoder every non-Llama family configures: embeddings -> layers -> norm -> LM head.
+
+A family file (``gpt2.py``, ``gemma.py``, ...) subclasses ``DecoderLM`` with two things:
+``build_spec(config)``, its Hugging Face config read into a ``DecoderSpec`` (refusing options
+it cannot run), and ``RENAMES``, its checkpoint names mapped to ours. Residual layouts:
+
+    pre        h = x + attn(n1(x));            out = h + mlp(n2(h))          (GPT-2, Llama-likes)
+    post       h = n1(x + attn(x));            out = n2(h + mlp(h))          (OPT-350m)
+    parallel   out = x + attn(n1(x)) + mlp(n1(x))                            (GPT-J, Phi, Falcon)
+    parallel2  out = x + attn(n1(x)) + mlp(n2(x))                            (NeoX, Falcon-40b)
+    sandwich   h = x + n3(attn(n1(x)));        out = h + n4(mlp(n2(h)))      (Gemma 2 and 3)
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from llmserve.layers.attention import KVCache
+from llmserve.layers.attention_metadata import AttentionMetadata
+from llmserve.layers.layernorm import make_norm
+from llmserve.layers.mlp import MLP
+from llmserve.layers.moe import SparseMoE
+from llmserve.layers.position import sinusoidal_positions
+from llmserve.layers.rotary import rope_parameters
+from llmserve.layers.self_attention import AttentionConfig, RopeConfig, SelfAttention
+
+LAYOUTS = ("pre", "post", "parallel", "parallel2", "sandwich")
+
+
+@dataclass
+class MLPConfig:
+    intermediate_size: int
+    act: str
+    gated: bool
+    bias: bool = False
+
+
+@dataclass
+class MoEConfig:
+    intermediate_size: int
+    num_experts: int
+    top_k: int
+    normalize_top_k: bool
+    act: str = "silu"
+
+
+@dataclass
+class DecoderSpec:
+    """Everything the generic decoder needs; per-layer lists for attention and MLP."""
+
+    vocab_size: int
+    hidden_size: int
+    attention: list[AttentionConfig]
+    mlp: list[MLPConfig | MoEConfig]
+    norm: str = "layer"  # layer | rms | gemma_rms
+    norm_eps: float = 1e-5
+    norm_bias: bool = True
+    layout: str = "pre"
+    embed_scale: float | None = None  # token embeddings times this (Gemma, XGLM)
+    positions: str = "none"  # absolute positions at the embedding: none | learned | sinusoidal
+    max_positions: int = 0
+    position_offset: int = 0  # OPT and XGLM look positions up at p + 2
+    embed_norm: bool = False  # a norm right after the embedding (BLOOM)
+    final_norm: bool = True
+    project_dim: int | None = None  # OPT-350m: embeddings narrower than hidden, projected
+    tie_word_embeddings: bool = True
+    lm_head_bias: bool = False
+    final_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
+
+
+def rename_rules(
+    layer_prefix: str, layer_parts: dict[str, str], top: dict[str, str], skip: tuple[str, ...] = ()
+) -> list[tuple[str, str | None]]:
+    """``RENAMES`` from module maps: ``{"attn.c_attn": "self_attn.qkv_proj"}`` under
+    ``layer_prefix`` + layer index (ours may end in ``#part``), ``top`` for the rest (regexes);
+    ``skip``: regexes of checkpoint tensors we do not use."""
+    rules: list[tuple[str, str | None]] = [(pattern, None) for pattern in skip]
+    for hf, ours in layer_parts.items():
+        module, _, part = ours.partition("#")
+        suffix = f"#{part}" if part else ""
+        rules.append(
+            (rf"{layer_prefix}(\d+)\.{hf}\.(weight|bias)", rf"layers.\1.{module}.\2{suffix}")
+        )
+    for hf, ours in top.items():
+        rules.append((rf"{hf}\.(weight|bias)", rf"{ours}.\1"))
+    return rules
+
+
+# Llama-style checkpoint names, shared by the families that kept them (Gemma, Qwen3, Mixtral...).
+LLAMA_LAYER_PARTS = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "mlp_norm",
+    "self_attn.q_proj": "self_attn.qkv_proj#q",
+    "self_attn.k_proj": "self_attn.qkv_proj#k",
+    "self_attn.v_proj": "self_attn.qkv_proj#v",
+    "self_attn.o_proj": "self_attn.o_proj",
+    "self_attn.q_norm": "self_attn.q_norm",
+    "self_attn.k_norm": "self_attn.k_norm",
+    "mlp.gate_proj": "mlp.gate_up_proj#gate",
+    "mlp.up_proj": "mlp.gate_up_proj#up",
+    "mlp.down_proj": "mlp.down_proj",
+}
+LLAMA_TOP = {r"model\.embed_tokens": "embed_tokens", r"model\.norm": "norm", "lm_head": "lm_head"}
+
+
+def rope_config(
+    config: Any, head_dim: int, layer_type: str | None = None, is_neox: bool = True
+) -> RopeConfig:
+    """RoPE from ``rope_parameters`` (per layer type where a config keys it so, as Gemma 3),
+    ``rope_theta`` / ``rope_scaling``, and ``partial_rotary_factor``."""
+    nested = getattr(config, "rope_parameters", None) or {}
+    if layer_type is not None and layer_type in nested:
+        params = dict(nested[layer_type])
+        params.setdefault("rope_theta", 10000.0)
+        params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    else:
+        params = rope_parameters(config)
+    factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+    rotary_dim = int(head_dim * factor)
+    return RopeConfig(rotary_dim, params, config.max_position_embeddings, is_neox)
+
+
+def layer_windows(config: Any) -> list[int | None]:
+    """Per layer: the sliding window, or None for full attention (``layer_types``)."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        return [window] * config.num_hidden_layers
+    for kind in set(types) - {"sliding_attention", "full_attention"}:
+        raise ValueError(f"unsupported configuration: layer type {kind!r}")
+    return [window if kind == "sliding_attention" else None for kind in types]
+
+
+def require(condition: bool, message: str) -> None:
+    """Refuse a config option this implementation would silently get wrong."""
+    if not condition:
+        raise ValueError(f"unsupported configuration: {message}")
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self, spec: DecoderSpec, index: int, max_model_len: int, backend: str, rope_cache: dict
+    ):
+        super().__init__()
+        self.layout = spec.layout
+        hidden = spec.hidden_size
+        self.self_attn = SelfAttention(spec.attention[index], max_model_len, backend, rope_cache)
+        mlp = spec.mlp[index]
+        if isinstance(mlp, MoEConfig):
+            self.mlp = SparseMoE(
+                hidden,
+                mlp.intermediate_size,
+                mlp.num_experts,
+                mlp.top_k,
+                mlp.normalize_top_k,
+                mlp.act,
+            )
+        else:
+            self.mlp = MLP(hidden, mlp.intermediate_size, mlp.act, mlp.gated, mlp.bias)
+
+        def norm() -> nn.Module:
+            return make_norm(spec.norm, hidden, spec.norm_eps, spec.norm_bias)
+
+        self.attn_norm = norm()
+        self.mlp_norm = None if spec.layout == "parallel" else norm()
+        if spec.layout == "sandwich":
+            self.attn_out_norm, self.mlp_out_norm = norm(), norm()
+
+    def forward(self, positions, x, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        """x ``[T, hidden]`` -> ``[T, hidden]``."""
+        if self.layout == "pre":
+            x = x + self.self_attn(positions, self.attn_norm(x), kv_cache, meta)
+            return x + self.mlp(self.mlp_norm(x))
+        if self.layout == "post":
+            x = self.attn_norm(x + self.self_attn(positions, x, kv_cache, meta))
+            return self.mlp_norm(x + self.mlp(x))
+        if self.layout == "parallel":
+            normed = self.attn_norm(x)
+            return x + self.self_attn(positions, normed, kv_cache, meta) + self.mlp(normed)
+        if self.layout == "parallel2":
+            attn = self.self_attn(positions, self.attn_norm(x), kv_cache, meta)
+            return x + attn + self.mlp(self.mlp_norm(x))
+        attn = self.self_attn(positions, self.attn_norm(x), kv_cache, meta)
+        x = x + self.attn_out_norm(attn)
+        return x + self.mlp_out_norm(self.mlp(self.mlp_norm(x)))
+
+
+class DecoderLM(nn.Module):
+    """Decoder stack plus LM head; ``forward`` returns hidden states, ``compute_logits`` logits.
+
+    Our parameter names: ``embed_tokens``, ``embed_positions``, ``embed_norm``,
+    ``project_in``/``project_out``, ``layers.N.{attn_norm, mlp_norm, attn_out_norm,
+    mlp_out_norm}``, ``layers.N.self_attn.{qkv_proj, o_proj, q_norm, k_norm}``,
+    ``layers.N.mlp.{gate_up_proj | up_proj, down_proj}`` (or ``{gate, w13, w2}`` for MoE),
+    ``norm``, ``lm_head``.
+    """
+
+    # (regex on the checkpoint name, our name or None to skip); the first match wins. Our
+    # name may end in "#part" (q, k, v, gate, up) for a slice of a fused parameter, or in
+    # "#E:part" / "#E" for expert E of a stacked MoE parameter.
+    RENAMES: list[tuple[str, str | None]] = []
+
+    @classmethod
+    def build_spec(cls, config: Any) -> DecoderSpec:
+        raise NotImplementedError
+
+    def __init__(self, config: Any, max_model_len: int, attention_backend: str = "torch"):
+        super().__init__()
+        self.config = config
+        spec = self.spec = self.build_spec(config)
+        require(spec.layout in LAYOUTS, f"layout {spec.layout!r}")
+        embed_dim = spec.project_dim or spec.hidden_size
+        self.embed_tokens = nn.Embedding(spec.vocab_size, embed_dim)
+        if spec.positions == "learned":
+            if max_model_len > spec.max_positions - spec.position_offset:
+                raise ValueError(
+                    f"max_model_len {max_model_len} exceeds the model's "
+                    f"{spec.max_positions - spec.position_offset} learned positions"
+                )
+            self.embed_positions = nn.Embedding(spec.max_positions, spec.hidden_size)
+        elif spec.positions == "sinusoidal":
+            table = sinusoidal_positions(
+                max(spec.max_positions, max_model_len), spec.hidden_size, spec.position_offset
+            )
+            self.register_buffer("sinusoidal", table, persistent=False)
+        if spec.embed_norm:
+            self.embed_norm = make_norm(spec.norm, spec.hidden_size, spec.norm_eps, spec.norm_bias)
+        if spec.project_dim:
+            self.project_in = nn.Linear(spec.project_dim, spec.hidden_size, bias=False)
+            self.project_out = nn.Linear(spec.hidden_size, spec.project_dim, bias=False)
+        rope_cache: dict = {}  # layers with the same RoPE share one cos/sin table
+        self.layers = nn.ModuleList(
+            DecoderLayer(spec, i, max_model_len, attention_backend, rope_cache)
+            for i in range(len(spec.attention))
+        )
+        self.norm = None
+        if spec.final_norm:
+            self.norm = make_norm(spec.norm, spec.hidden_size, spec.norm_eps, spec.norm_bias)
+        self.tie_word_embeddings = spec.tie_word_embeddings
+        self.lm_head = nn.Linear(embed_dim, spec.vocab_size, bias=spec.lm_head_bias)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """``input_ids, positions: [T]`` -> hidden states ``[T, hidden]`` (or ``project_dim``)."""
+        spec = self.spec
+        x = self.embed_tokens(input_ids)  # [T, embed_dim]
+        if spec.embed_scale is not None:
+            x = x * torch.tensor(spec.embed_scale, dtype=x.dtype)
+        if spec.project_dim:
+            x = self.project_in(x)  # [T, hidden]
+        if spec.positions == "learned":
+            x = x + self.embed_positions(positions + spec.position_offset)
+        elif spec.positions == "sinusoidal":
+            x = x + self.sinusoidal[positions].to(x.dtype)
+        if spec.embed_norm:
+            x = self.embed_norm(x)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(positions, x, kv_cache, meta)
+        if self.norm is not None:
+            x = self.norm(x)
+        if spec.project_dim:
+            x = self.project_out(x)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden: [N, hidden]`` at the positions that sample -> ``[N, vocab]``."""
+        logits = self.lm_head(hidden)
+        cap = self.spec.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    # ---- weights -------------------------------------------------------------------------
+    def convert(self, hf_name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A family's layout change of one checkpoint tensor (Conv1D transpose, head order)."""
+        return tensor
+
+    def target(self, hf_name: str) -> str | None:
+        """Our name (with its ``#part``) for a checkpoint name; None: not a weight we use."""
+        for pattern, ours in self.RENAMES:
+            if re.fullmatch(pattern, hf_name):
+                return None if ours is None else re.sub(pattern, ours, hf_name)
+        raise ValueError(f"checkpoint tensor {hf_name!r} has no place in {type(self).__name__}")
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors into our (partly fused) parameters."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            name = self.target(hf_name)
+            if name is None:
+                continue
+            name, _, part = name.partition("#")
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {hf_name!r} -> {name!r}: no such parameter")
+            tensor = self.convert(hf_name, tensor)
+            dest = self._slice(params[name], name, part)
+            if dest.shape != tensor.shape:
+                raise ValueError(
+                    f"{hf_name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(dest.shape)}"
+                )
+            with torch.no_grad():
+                dest.copy_(tensor)
+            loaded.add(name)
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise ValueError(f"checkpoint lacks tensors for {missing[:8]}")
+
+    def _slice(self, param: torch.Tensor, name: str, part: str) -> torch.Tensor:
+        """The rows of ``param`` that a checkpoint part fills (all of it for no part)."""
+        if not part:
+            return param
+        if part.isdigit():  # "#E": the whole of expert E
+            return param[int(part)]
+        if ":" in part:  # "#E:gate": a part of expert E
+            expert, part = part.split(":")
+            param = param[int(expert)]
+        if part in ("gate", "up"):
+            half = param.shape[0] // 2
+            return param[:half] if part == "gate" else param[half:]
+        attn = self.get_submodule(name.split(".qkv_proj")[0])
+        start = {"q": 0, "k": attn.q_size, "v": attn.q_size + attn.kv_size}[part]
+        rows = attn.q_size if part == "q" else attn.kv_size
+        return param[start : start + rows]
+
+    def checkpoint_target(self, name: str) -> tuple[str, int | None]:
+        raise ValueError(
+            f"{type(self).__name__}: quantized checkpoints (gguf, gptq, awq) load into "
+            "Llama-family models only; load the float weights (GGUF dequantized by default)"
+        )
