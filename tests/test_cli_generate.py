@@ -43,7 +43,7 @@ def test_generate_prompts_file_jsonl_and_plain(tmp_path):
 
 
 def test_generate_reports_bad_input_clearly():
-    proc = _run("--prompt", "hi", "--max-tokens", "1000")
+    proc = _run("--prompt", "word " * 300, "--max-tokens", "10")  # 300 tokens > 256
     assert proc.returncode == 2
     assert "maximum context length is 256" in proc.stderr
     assert "Traceback" not in proc.stderr

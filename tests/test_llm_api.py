@@ -147,6 +147,16 @@ def test_invalid_sampling_params_name_the_field(kwargs, field):
         SamplingParams(**kwargs)
 
 
+def test_max_tokens_beyond_the_context_stops_at_its_end(llm):
+    """As vLLM: a prompt that fits runs; generation ends at max_model_len ("length")."""
+    prompt_len = len(llm.get_tokenizer().encode(SQL))
+    params = SamplingParams(max_tokens=5000, min_tokens=5000, ignore_eos=True)
+    (out,) = llm.generate([SQL], params, use_tqdm=False)
+    assert out.outputs[0].finish_reason == "length"
+    assert len(out.outputs[0].token_ids) == 512 - prompt_len
+    assert_no_leaks(llm)
+
+
 def test_requests_that_cannot_fit_are_refused_with_numbers(llm):
     with pytest.raises(ValueError, match=r"maximum context length is 512.*--max-model-len") as info:
         llm.generate(["word " * 600], SamplingParams(max_tokens=10), use_tqdm=False)

@@ -72,7 +72,7 @@ BAD_REQUESTS = [
     (_COMPLETION, {"prompt": "hi", "logit_bias": {"5": 500}}, "logit_bias"),
     (_COMPLETION, {"prompt": "hi", "presence_penalty": 3}, "presence_penalty"),
     (_COMPLETION, {"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
-    (_COMPLETION, {"prompt": "hi", "min_tokens": 20, "max_tokens": 5}, "min_tokens"),
+    (_COMPLETION, {"prompt": "hi", "min_tokens": -1}, "min_tokens"),
     (_COMPLETION, {"prompt": "hi", "stream": "maybe"}, "stream"),
     (_COMPLETION, {"prompt": "hi", "seed": 2**70}, "seed"),
     (_COMPLETION, {"prompt": []}, "prompt"),
@@ -114,9 +114,20 @@ def test_prompt_that_cannot_fit_is_400_with_the_numbers(server):
         "message"
     ]
     assert str(num_prompt) in message and "1024" in message and "7" in message
-    body = {"messages": CHAT, "max_tokens": 5000}
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 5}
     message = assert_error(post(server, _CHAT, body), 400)["message"]
-    assert "5000" in message and "1024" in message
+    assert "1024" in message
+
+
+def test_budgets_beyond_the_context_stop_at_its_end(server):
+    """As vLLM: max_tokens past the context ends at the context ("length"); min_tokens past
+    max_tokens means no EOS at all."""
+    body = {"messages": CHAT, "max_tokens": 5000, "min_tokens": 5000, "temperature": 0}
+    reply = post(server, _CHAT, body).json()
+    assert reply["choices"][0]["finish_reason"] == "length"
+    assert reply["usage"]["prompt_tokens"] + reply["usage"]["completion_tokens"] == 1024
+    body = {"prompt": "hi", "min_tokens": 20, "max_tokens": 5}
+    assert post(server, _COMPLETION, body).json()["usage"]["completion_tokens"] == 5
 
 
 def test_openai_client_sees_bad_request(server):
@@ -160,7 +171,7 @@ _FIELDS = [
 @pytest.mark.parametrize("field", _FIELDS)
 def test_odd_values_never_cause_a_500(server, field):
     for value in _ODD_VALUES:
-        if field == "max_tokens" and value is None:
+        if field == "max_tokens" and value in (None, 10**30):
             continue  # valid, and slow: generates up to max_model_len
         body = {"prompt": "hi", "max_tokens": 2, "model": MODEL, field: value}
         response = post(server, _COMPLETION, body)

@@ -140,10 +140,10 @@ class LLMEngine:
                 f"{what} {params.n} needs {params.n} sequences at once but the engine runs at "
                 f"most {max_seqs} (--max-num-seqs)"
             )
-        max_tokens = params.max_tokens
-        if max_tokens is None:
-            max_tokens = self.max_model_len - num_prompt
-        if num_prompt + max_tokens > self.max_model_len or max_tokens < 1:
+        room = self.max_model_len - num_prompt  # generation stops at the context's end
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        if max_tokens < 1:
+            max_tokens = params.max_tokens or 0
             raise ValueError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you "
                 f"requested {num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} for "
@@ -157,8 +157,11 @@ class LLMEngine:
                 f"{bm.block_size} tokens per block) but the whole pool has {bm.num_blocks} blocks. "
                 "Reduce the prompt or max_tokens, or raise --kv-cache-memory (--gpu-memory-utilization on CUDA)."
             )
-        if max_tokens != params.max_tokens:
-            params = SamplingParams(**{**vars(params), "max_tokens": max_tokens})
+        if max_tokens != params.max_tokens:  # min_tokens cannot ask for more than fits
+            min_tokens = min(params.min_tokens, max_tokens)
+            params = SamplingParams(
+                **{**vars(params), "max_tokens": max_tokens, "min_tokens": min_tokens}
+            )
         return params
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -85,11 +86,49 @@ def build_app(
 
     app = FastAPI(title="llmserve", version=llmserve.__version__, lifespan=lifespan)
     app.state.llmserve = state
+    app.openapi = lambda: openapi_schema(app, engine.engine)
     app.include_router(router)
     install_error_handlers(app)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     return app
+
+
+def openapi_schema(app: FastAPI, engine: Any) -> dict[str, Any]:
+    """FastAPI's schema, plus this server's own bound: token ids (fields marked x-token-id, and
+    logit_bias keys marked x-token-id-key) end at the vocabulary."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        last_token = engine.hf_config.vocab_size - 1
+        key_pattern = "^" + int_range_pattern(last_token) + "$"
+
+        def fill(node: Any) -> None:
+            if isinstance(node, dict):
+                if node.pop("x-token-id", False):
+                    node["maximum"] = last_token
+                if node.pop("x-token-id-key", False):
+                    node["pattern"] = key_pattern
+                for value in node.values():
+                    fill(value)
+            elif isinstance(node, list):
+                for value in node:
+                    fill(value)
+
+        fill(schema)
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+def int_range_pattern(high: int) -> str:
+    """A regex matching the decimal integers 0..high (high >= 0), no leading zeros."""
+    digits = str(high)
+    options = ["0"] + ["[1-9]" + "[0-9]" * (width - 1) for width in range(1, len(digits))]
+    for i, d in enumerate(digits):  # as long as high: its prefix, then a smaller digit
+        low = 1 if i == 0 else 0
+        if int(d) > low:
+            options.append(digits[:i] + f"[{low}-{int(d) - 1}]" + "[0-9]" * (len(digits) - i - 1))
+    options.append(digits)
+    return "(" + "|".join(dict.fromkeys(options)) + ")"
 
 
 class ApiKeyMiddleware:
@@ -116,9 +155,22 @@ def _state(raw: Request) -> ServerState:
 
 
 # ---- generation ---------------------------------------------------------------------------
+_SSE = {  # with stream: true, server-sent events, one per chunk, `data: [DONE]` last
+    "text/event-stream": {
+        "schema": {
+            "type": "object",
+            "description": "one server-sent event: `data: <chunk JSON>` (a completion or "
+            "chat.completion.chunk object), or `data: [DONE]` at the end",
+            "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+            "required": ["data"],
+        }
+    }
+}
+
+
 @router.post(
     "/v1/completions",
-    responses={200: {"model": CompletionResponse}, **_ERRORS},
+    responses={200: {"model": CompletionResponse, "content": _SSE}, **_ERRORS},
 )
 async def create_completion(request: CompletionRequest, raw: Request) -> Response:
     """Complete one or more prompts (``stream`` for server-sent events)."""
@@ -128,7 +180,7 @@ async def create_completion(request: CompletionRequest, raw: Request) -> Respons
 
 @router.post(
     "/v1/chat/completions",
-    responses={200: {"model": ChatCompletionResponse}, **_ERRORS},
+    responses={200: {"model": ChatCompletionResponse, "content": _SSE}, **_ERRORS},
 )
 async def create_chat_completion(request: ChatCompletionRequest, raw: Request) -> Response:
     """Answer a conversation (``stream`` for server-sent events)."""
@@ -214,7 +266,13 @@ async def detokenize(request: DetokenizeRequest, raw: Request) -> DetokenizeResp
     return DetokenizeResponse(prompt=serving.tokenizer.decode(request.tokens))
 
 
-@router.get("/health")
+@router.get(
+    "/health",
+    responses={
+        200: {"content": {"application/json": {"schema": {"type": "object"}}}},
+        503: {"model": ErrorResponse},
+    },  # fmt: skip
+)
 async def health(raw: Request) -> Response:
     """200 while the engine thread runs, 503 once it stopped."""
     if not _state(raw).engine.is_alive:
@@ -227,7 +285,11 @@ async def version() -> VersionResponse:
     return VersionResponse(version=llmserve.__version__)
 
 
-@router.get("/metrics")
+@router.get(
+    "/metrics",
+    response_class=PlainTextResponse,
+    responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
+)
 async def metrics(raw: Request) -> Response:
     """Prometheus text format."""
     server_metrics = _state(raw).metrics

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     ValidationError,
@@ -34,10 +35,34 @@ def _check_utf8(text: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_check_utf8)]  # rejects lone surrogates ("\ud800")
+NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(_check_utf8)]
+
+
+def _integral(value: Any) -> Any:
+    """JSON Schema counts 1.0 as an integer: accept it as 1 (true, "1" stay refused)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def Int(**bounds: Any) -> Any:  # noqa: N802 - a type
+    """An integer field (1.0 accepted as 1; true and "1" refused) with ``Field`` bounds."""
+    return Annotated[int, Field(**bounds), BeforeValidator(_integral)]
+
+
+# A token id: an integer (true/false/1.0 refused) >= 0; the OpenAPI schema of a running server
+# also states the vocabulary's end (api_server.openapi_schema fills in "maximum").
+TokenId = Int(ge=0, json_schema_extra={"x-token-id": True})
+# A token budget (generation also stops at the end of the context, so no upper bound).
+MaxTokens = Int(ge=1)
+# logit_bias keys: token ids written as strings (the schema's pattern is filled in likewise)
+TokenIdKey = Annotated[str, Field(json_schema_extra={"x-token-id-key": True})]
 
 
 class OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    # strict: a JSON value of the wrong type is refused (no "1" for 1, no 0 for false), so the
+    # server accepts exactly what its OpenAPI schema describes
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
 
 # ---- errors ---------------------------------------------------------------------------------
@@ -63,13 +88,30 @@ class UsageInfo(OpenAIModel):
     total_tokens: int = 0
 
 
+_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def _set(kind: str) -> dict[str, Any]:
+    """JSON Schema: constraint ``kind`` is given (not null; json_object true)."""
+    value = {"const": True} if kind == "json_object" else {"not": {"type": "null"}}
+    return {"required": [kind], "properties": {kind: value}}
+
+
+_TWO_SET = [  # no two constraints at once
+    {"allOf": [_set(a), _set(b)]} for i, a in enumerate(_KINDS) for b in _KINDS[i + 1 :]
+]
+
+
 class StructuredOutputsField(OpenAIModel):
     """vLLM's ``structured_outputs``: exactly one of the constraints."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={"anyOf": [_set(k) for k in _KINDS], "not": {"anyOf": _TWO_SET}},
+    )
     json_: dict[str, Any] | str | None = Field(None, alias="json")
     regex: str | None = None
-    choice: list[str] | None = None
+    choice: Annotated[list[NonEmptyText], Field(min_length=1)] | None = None
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool | None = None
@@ -93,23 +135,23 @@ class SamplingFields(OpenAIModel):
     """Sampling and stopping fields shared by completions and chat completions."""
 
     model: str | None = None
-    n: int = Field(1, ge=1, le=MAX_N)
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    n: Int(ge=1, le=MAX_N) = 1
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: Int(ge=-1) | None = None
+    min_p: float | None = Field(None, ge=0, le=1)
+    seed: Int(ge=-(2**63), lt=2**63) | None = None
     stop: Text | list[Text] | None = None
-    stop_token_ids: list[int] | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: dict[str, float] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(1.0, gt=0)
+    logit_bias: dict[TokenIdKey, Annotated[float, Field(ge=-100, le=100)]] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
-    priority: int = 0
+    min_tokens: Int(ge=0) = 0
+    priority: Int() = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     user: str | None = None
@@ -120,13 +162,35 @@ class SamplingFields(OpenAIModel):
 class CompletionRequest(SamplingFields):
     """POST /v1/completions: ``prompt`` is text, texts, token ids or lists of token ids."""
 
-    prompt: Text | list[Text] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt: (
+        NonEmptyText
+        | Annotated[list[NonEmptyText], Field(min_length=1)]
+        | Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+    )
+    max_tokens: MaxTokens | None = 16
+    logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = None
     echo: bool = False
     use_beam_search: bool = False  # vLLM's extra fields: beam search in the engine
-    beam_width: int | None = Field(None, ge=1, le=MAX_N)  # default: n; returns this many choices
+    beam_width: Int(ge=1, le=MAX_N) | None = None  # beams (default: n), all returned
     length_penalty: float = 1.0
+
+    model_config = ConfigDict(
+        json_schema_extra={  # beam search ranks greedy log-probabilities: no sampling extras
+            "if": {
+                "properties": {"use_beam_search": {"const": True}},
+                "required": ["use_beam_search"],
+            },
+            "then": {
+                "properties": {
+                    "stop": {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}]},
+                    "logprobs": {"type": "null"},
+                    "min_tokens": {"const": 0},
+                    "structured_outputs": {"type": "null"},
+                }
+            },
+        }
+    )
 
     @field_validator("prompt", mode="wrap")
     @classmethod
@@ -169,8 +233,8 @@ class CompletionResponse(OpenAIModel):
 
 # ---- chat completions -------------------------------------------------------------------------
 class ContentPart(OpenAIModel):
-    type: str
-    text: Text | None = None
+    type: Literal["text"]  # the only kind this server reads
+    text: Text
 
 
 class FunctionCall(OpenAIModel):
@@ -185,7 +249,7 @@ class ToolCall(OpenAIModel):
 
 
 class ChatMessage(OpenAIModel):
-    role: Text
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[ContentPart] | None = None
     name: Text | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
@@ -216,11 +280,37 @@ class NamedToolChoice(OpenAIModel):
 class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions: ``messages`` go through the model's chat template."""
 
+    model_config = ConfigDict(
+        json_schema_extra={
+            "allOf": [
+                {  # top_logprobs needs logprobs: true
+                    "if": {
+                        "properties": {"top_logprobs": {"type": "integer"}},
+                        "required": ["top_logprobs"],
+                    },
+                    "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]},
+                },
+                {  # a tool_choice other than "none" needs tools
+                    "if": {
+                        "properties": {
+                            "tool_choice": {"not": {"anyOf": [{"type": "null"}, {"const": "none"}]}}
+                        },
+                        "required": ["tool_choice"],
+                    },
+                    "then": {
+                        "properties": {"tools": {"type": "array", "minItems": 1}},
+                        "required": ["tools"],
+                    },
+                },
+            ]
+        }
+    )
+
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: MaxTokens | None = None
+    max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = None
     add_generation_prompt: bool = True
     response_format: ResponseFormat | None = None
     tools: list[ToolDefinition] | None = None
@@ -323,8 +413,17 @@ class TokenizeRequest(OpenAIModel):
     """POST /tokenize: give ``prompt`` (text) or ``messages`` (chat-templated)."""
 
     model: str | None = None
+    model_config = ConfigDict(
+        json_schema_extra={  # one of the two is needed
+            "anyOf": [
+                {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+                {"required": ["messages"], "properties": {"messages": {"type": "array"}}},
+            ]
+        }
+    )
+
     prompt: Text | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
@@ -337,7 +436,7 @@ class TokenizeResponse(OpenAIModel):
 
 class DetokenizeRequest(OpenAIModel):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 class DetokenizeResponse(OpenAIModel):

@@ -25,17 +25,9 @@ def completion_params(request: CompletionRequest, vocab_size: int) -> SamplingPa
         logprobs=request.logprobs,
         prompt_logprobs=request.logprobs if wants_prompt_logprobs else None,
     )
-    if not request.use_beam_search:
-        if request.beam_width is not None:
-            raise OpenAIError("beam_width needs use_beam_search: true", param="beam_width")
+    if not request.use_beam_search:  # beam_width alone changes nothing
         return params
     width = request.beam_width or request.n
-    if request.n not in (1, width):
-        raise OpenAIError(
-            f"with use_beam_search, n ({request.n}) must be 1 or beam_width ({width}): "
-            "the response has beam_width choices",
-            param="n",
-        )
     try:
         return SamplingParams(
             **{**vars(params), "n": width, "temperature": 0.0, "use_beam_search": True,
@@ -117,7 +109,8 @@ def build_params(
             repetition_penalty=request.repetition_penalty,
             logit_bias=logit_bias,
             max_tokens=max_tokens,
-            min_tokens=request.min_tokens,
+            # more than max_tokens cannot be generated: min_tokens then means "no EOS at all"
+            min_tokens=min(request.min_tokens, max_tokens or request.min_tokens),
             stop=request.stop,
             stop_token_ids=request.stop_token_ids,
             ignore_eos=request.ignore_eos,

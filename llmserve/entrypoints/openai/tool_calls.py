@@ -170,12 +170,11 @@ def message_dict(message: ChatMessage, template_has_tools: bool) -> dict[str, An
 
 
 def _arguments(text: str) -> Any:
+    """A past call's arguments for the template: parsed JSON, or the text as it was sent."""
     try:
         return json.loads(text)
     except ValueError:
-        raise OpenAIError(
-            f"tool call arguments must be a JSON string, got {text[:60]!r}", param="messages"
-        ) from None
+        return text
 
 
 def _call(name: str, arguments: Any) -> ToolCall:
