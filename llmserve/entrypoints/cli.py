@@ -1,4 +1,4 @@
-"""``llmserve`` command line: ``generate``, ``serve``, ``bench``."""
+"""``llmserve`` command line: ``generate``, ``serve``, ``bench``, ``quantize``, ``eval``."""
 
 from __future__ import annotations
 
@@ -93,7 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     subparsers = parser.add_subparsers(dest="command", required=True)
     add_generate_parser(subparsers)
-    for module_name in ("llmserve.entrypoints.openai.api_server", "llmserve.benchmarks.cli"):
+    for module_name in (
+        "llmserve.entrypoints.openai.api_server",
+        "llmserve.benchmarks.cli",
+        "llmserve.quantization.quantizers.cli",
+        "llmserve.eval.cli",
+    ):
         try:
             module = __import__(module_name, fromlist=["add_parser"])
         except ImportError:

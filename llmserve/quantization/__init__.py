@@ -22,4 +22,15 @@ Files: ``layout.py`` (``QuantizedWeight`` and the dequantize reference), ``linea
 Embeddings and the LM head stay in floating point for every method except ``gguf``, which
 keeps the file's token table quantized and multiplies the tied LM head by the same blocks, as
 llama.cpp does.
+
+Own post-training quantizers (``quantizers/``: RTN, GPTQ, AWQ; ``llmserve quantize``) write
+GPTQ / AWQ checkpoints that the ``gptq`` / ``awq`` rows above load.
 """
+
+
+def quantize(model=None, output=None, **options):
+    """Quantize ``model`` into a GPTQ / AWQ checkpoint directory ``output`` (see
+    ``llmserve.quantization.quantizers.pipeline.quantize``); returns a ``QuantizeReport``."""
+    from llmserve.quantization.quantizers.pipeline import quantize as run
+
+    return run(model, output, **options)

@@ -256,3 +256,48 @@ def _default_tokenizer():
     from llmserve.tokenizer import get_tokenizer
 
     return get_tokenizer(None)
+
+
+def unpack_gptq_reference(tensors, *, bits, in_features, checkpoint_format="gptq"):
+    """Independent unpacking of GPTQ tensors, value by value from the documented bit stream
+    (value i of a column: bits i*bits .. i*bits+bits-1 of its little-endian words).
+
+    Returns ``(codes [N, K], zeros [N, groups], scales fp32 [N, groups], g_idx [K])``.
+    """
+
+    def read_stream(words: np.ndarray, count: int) -> np.ndarray:  # [W, C] -> [count, C]
+        words = words.astype(np.uint32).astype(np.uint64)
+        out = np.zeros((count, words.shape[1]), dtype=np.int64)
+        for i in range(count):
+            value = np.zeros(words.shape[1], dtype=np.uint64)
+            for b in range(bits):
+                bit = i * bits + b
+                value |= ((words[bit // 32] >> np.uint64(bit % 32)) & np.uint64(1)) << np.uint64(b)
+            out[i] = value.astype(np.int64)
+        return out
+
+    qweight = tensors["qweight"].numpy().view(np.uint32)
+    qzeros = tensors["qzeros"].numpy().view(np.uint32)
+    n = tensors["scales"].shape[1]
+    codes = torch.from_numpy(read_stream(qweight, in_features)).T  # [N, K]
+    zeros = torch.from_numpy(read_stream(qzeros.T.copy(), n))  # [N, groups]
+    if checkpoint_format == "gptq":
+        zeros = zeros + 1
+    return codes, zeros, tensors["scales"].float().T, tensors["g_idx"].long()
+
+
+def unpack_awq_reference(tensors):
+    """Independent unpacking of AWQ gemm tensors: nibble i of word c is column 8c + AWQ_ORDER[i].
+
+    Returns ``(codes [N, K], zeros [N, groups], scales fp32 [N, groups])``.
+    """
+
+    def read(words: torch.Tensor) -> torch.Tensor:  # [R, N / 8] -> [N, R]
+        words = words.numpy().view(np.uint32)
+        out = np.zeros((words.shape[0], words.shape[1] * 8), dtype=np.int64)
+        for c in range(words.shape[1]):
+            for i in range(8):
+                out[:, 8 * c + AWQ_ORDER[i]] = (words[:, c] >> np.uint32(4 * i)) & np.uint32(15)
+        return torch.from_numpy(out).T
+
+    return read(tensors["qweight"]), read(tensors["qzeros"]), tensors["scales"].float().T
