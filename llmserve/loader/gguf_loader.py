@@ -7,7 +7,13 @@ GGUF (llama.cpp's format) differs from a Hugging Face checkpoint in four ways, u
     dtypes    Q4_1 / Q8_0 / Q6_K blocks    -> fp32 (gguf.quants.dequantize)
     rotary    q/k rows of each head interleaved for llama.cpp's pairwise rope (llama only)
               -> HF's rotate-half order
-    norms     Gemma's (1 + w) norm weights stored as 1 + w (gemma3 only) -> w
+    norms     Gemma's (1 + w) norm weights stored as 1 + w (gemma, gemma2, gemma3) -> w
+    experts   one [num_experts, out, in] tensor per projection (qwen3moe, llama with experts)
+              -> one tensor per expert
+
+Families not named like Llama (gpt2, starcoder, gptj, bloom, falcon, gptneox, phi2, mpt)
+are described in ``gguf_families.py``; config extras of the Llama-named ones (Gemma 2/3,
+Phi-3, Qwen3-MoE, Mixtral) in ``gguf_arch_configs.py``.
 """
 
 import functools
@@ -20,8 +26,28 @@ from typing import Any
 import gguf
 import numpy as np
 import torch
-from transformers import Gemma3TextConfig, LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config
+from transformers import (
+    Gemma2Config,
+    Gemma3TextConfig,
+    GemmaConfig,
+    LlamaConfig,
+    MixtralConfig,
+    Phi3Config,
+    PretrainedConfig,
+    Qwen2Config,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
+from llmserve.loader.gguf_arch_configs import (
+    EXTRA_CONFIG,
+    feed_forward_length,
+    gemma3_config,
+    moe_config,
+)
+from llmserve.loader.gguf_arch_configs import field as _field
+from llmserve.loader.gguf_arch_configs import required as _required
+from llmserve.loader.gguf_families import FAMILIES, GGUFMeta, family_tensors
 from llmserve.quantization.gguf import (
     FLOAT_TYPES,
     gguf_to_internal,
@@ -39,7 +65,21 @@ _ARCHITECTURES: dict[str, tuple[type[PretrainedConfig], str, bool]] = {
     "qwen2": (Qwen2Config, "Qwen2ForCausalLM", False),
     "qwen3": (Qwen3Config, "Qwen3ForCausalLM", False),
     "gemma3": (Gemma3TextConfig, "Gemma3ForCausalLM", False),
+    "gemma": (GemmaConfig, "GemmaForCausalLM", False),
+    "gemma2": (Gemma2Config, "Gemma2ForCausalLM", False),
+    "phi3": (Phi3Config, "Phi3ForCausalLM", False),
+    "qwen3moe": (Qwen3MoeConfig, "Qwen3MoeForCausalLM", False),
 }
+# llama (or mistral) with `{arch}.expert_count` > 0 is Mixtral.
+_MIXTRAL = (MixtralConfig, "MixtralForCausalLM", True)
+_WITH_HEAD_DIM = (
+    LlamaConfig,
+    Qwen3Config,
+    GemmaConfig,
+    Gemma2Config,
+    Qwen3MoeConfig,
+    MixtralConfig,
+)
 
 _GLOBAL_TENSOR_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -57,19 +97,36 @@ _LAYER_TENSOR_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-# Per architecture, where its tensors differ from llama's.
+# Per architecture, where its tensors differ from llama's. "{expert}": one tensor per expert.
+_QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+_SANDWICH_NORMS = {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_MIXTRAL_EXPERTS = {
+    "ffn_gate_inp": "block_sparse_moe.gate",
+    "ffn_gate_exps": "block_sparse_moe.experts.{expert}.w1",
+    "ffn_up_exps": "block_sparse_moe.experts.{expert}.w3",
+    "ffn_down_exps": "block_sparse_moe.experts.{expert}.w2",
+}
 _ARCH_LAYER_TENSOR_NAMES = {
-    "qwen3": {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
-    "gemma3": {
-        "attn_q_norm": "self_attn.q_norm",
-        "attn_k_norm": "self_attn.k_norm",
-        "post_attention_norm": "post_attention_layernorm",
-        "ffn_norm": "pre_feedforward_layernorm",
-        "post_ffw_norm": "post_feedforward_layernorm",
+    "llama": _MIXTRAL_EXPERTS,
+    "mistral": _MIXTRAL_EXPERTS,
+    "qwen3": _QK_NORMS,
+    "gemma2": _SANDWICH_NORMS,
+    "gemma3": {**_QK_NORMS, **_SANDWICH_NORMS},
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    "qwen3moe": {
+        **_QK_NORMS,
+        "ffn_gate_inp": "mlp.gate",
+        "ffn_gate_exps": "mlp.experts.{expert}.gate_proj",
+        "ffn_up_exps": "mlp.experts.{expert}.up_proj",
+        "ffn_down_exps": "mlp.experts.{expert}.down_proj",
     },
 }
 # Architectures whose converter stored every norm weight as 1 + w.
-_NORM_PLUS_ONE = {"gemma3"}
+_NORM_PLUS_ONE = {"gemma", "gemma2", "gemma3"}
 # Tensors with no Hugging Face parameter: llama3-style rope frequency factors.
 _SKIPPED_TENSORS = {"rope_freqs.weight"}
 _LAYER_TENSOR_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
@@ -104,11 +161,6 @@ def _cached_reader(path: str, mtime_ns: int, size: int) -> gguf.GGUFReader:
     return gguf.GGUFReader(path)
 
 
-def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
-
 def gguf_architecture(path: str) -> str | None:
     """The file's ``general.architecture`` (llama, qwen2, gemma3, ...)."""
     return _field(_open_reader(str(path)), "general.architecture")
@@ -116,19 +168,29 @@ def gguf_architecture(path: str) -> str | None:
 
 def _architecture(reader: gguf.GGUFReader, path: str) -> str:
     arch = _field(reader, "general.architecture")
-    if arch not in _ARCHITECTURES:
+    if arch not in _ARCHITECTURES and arch not in FAMILIES:
         raise ValueError(
             f"{path}: GGUF architecture {arch!r} is not supported; "
-            f"supported: {', '.join(sorted(_ARCHITECTURES))}"
+            f"supported: {', '.join(sorted([*_ARCHITECTURES, *FAMILIES]))}"
         )
     return arch
 
 
-def _required(reader: gguf.GGUFReader, key: str) -> Any:
-    value = _field(reader, key)
-    if value is None:
-        raise ValueError(f"GGUF metadata lacks the required key {key!r}")
-    return value
+def _arch_entry(reader: gguf.GGUFReader, arch: str) -> tuple[type[PretrainedConfig], str, bool]:
+    if arch in ("llama", "mistral") and _field(reader, f"{arch}.expert_count", 0) > 0:
+        return _MIXTRAL
+    return _ARCHITECTURES[arch]
+
+
+def _tensor_shapes(reader: gguf.GGUFReader) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape in Hugging Face order (GGUF's dims reversed)."""
+    return {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}
+
+
+def _family_config(reader: gguf.GGUFReader, arch: str) -> PretrainedConfig:
+    field = functools.partial(_field, reader)
+    meta = GGUFMeta(arch, field, _tensor_shapes(reader), _token_ids(reader))
+    return FAMILIES[arch].build_config(meta)
 
 
 def _head_counts(reader: gguf.GGUFReader, arch: str) -> tuple[int, int]:
@@ -170,10 +232,15 @@ def _token_ids(reader: gguf.GGUFReader) -> dict[str, int]:
 
 
 def load_gguf_config(path: str) -> PretrainedConfig:
-    """Build a transformers config (Llama, Qwen2, Qwen3, Gemma 3) from a GGUF file's metadata."""
+    """Build a transformers config from a GGUF file's metadata (architectures: see
+    ``_ARCHITECTURES`` and ``gguf_families.FAMILIES``)."""
     reader = _open_reader(str(path))
     arch = _architecture(reader, path)
-    config_cls, hf_architecture, _ = _ARCHITECTURES[arch]
+    if arch in FAMILIES:
+        config = _family_config(reader, arch)
+        config.architectures = [FAMILIES[arch].hf_architecture]
+        return config
+    config_cls, hf_architecture, _ = _arch_entry(reader, arch)
     num_heads, num_kv_heads = _head_counts(reader, arch)
     hidden_size = int(_required(reader, f"{arch}.embedding_length"))
     tensor_names = {tensor.name for tensor in reader.tensors}
@@ -182,7 +249,7 @@ def load_gguf_config(path: str) -> PretrainedConfig:
         architectures=[hf_architecture],
         vocab_size=int(vocab_size or len(_required(reader, "tokenizer.ggml.tokens"))),
         hidden_size=hidden_size,
-        intermediate_size=int(_required(reader, f"{arch}.feed_forward_length")),
+        intermediate_size=feed_forward_length(reader, arch),
         num_hidden_layers=int(_required(reader, f"{arch}.block_count")),
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
@@ -194,46 +261,30 @@ def load_gguf_config(path: str) -> PretrainedConfig:
     )
     if (rope_scaling := _rope_scaling(reader, arch)) is not None:
         kwargs["rope_scaling"] = rope_scaling
-    if config_cls in (LlamaConfig, Qwen3Config):
+    if config_cls in _WITH_HEAD_DIM:
         head_dim = _field(reader, f"{arch}.attention.key_length", hidden_size // num_heads)
         kwargs["head_dim"] = int(head_dim)
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
     if arch == "gemma3":
         kwargs.update(
-            _gemma3_config(reader, kwargs.pop("rope_theta"), kwargs.pop("rope_scaling", None))
+            gemma3_config(reader, kwargs.pop("rope_theta"), kwargs.pop("rope_scaling", None))
         )
+    elif arch in EXTRA_CONFIG:
+        kwargs.update(EXTRA_CONFIG[arch](reader, arch, kwargs))
+    elif config_cls is MixtralConfig:
+        kwargs.update(moe_config(reader, arch))
     if "rope_freqs.weight" in tensor_names:
         logger.warning("%s: rope_freqs.weight (llama3 rope factors) is ignored", path)
     return config_cls(**kwargs)
 
 
-def _gemma3_config(
-    reader: gguf.GGUFReader, rope_theta: float, rope_scaling: dict[str, Any] | None
-) -> dict[str, Any]:
-    """Gemma 3's extras: head_dim, the sliding window, and RoPE per layer kind (llama.cpp
-    keeps only the global base; local layers use 10000, and every sixth layer is global).
-    The attention scale is not stored either: as llama.cpp, 1/sqrt(head_dim), except the
-    27B's 1/sqrt(hidden / heads)."""
-    head_dim = int(_required(reader, "gemma3.attention.key_length"))
-    hidden = int(_required(reader, "gemma3.embedding_length"))
-    heads = int(_required(reader, "gemma3.attention.head_count"))
-    is_27b = hidden == 5376 and int(_required(reader, "gemma3.block_count")) == 62
-    global_rope = {"rope_type": "default", **(rope_scaling or {}), "rope_theta": rope_theta}
-    return dict(
-        head_dim=head_dim,
-        query_pre_attn_scalar=hidden // heads if is_27b else head_dim,
-        sliding_window=int(_required(reader, "gemma3.attention.sliding_window")),
-        rope_parameters={
-            "full_attention": global_rope,
-            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-        },
-    )
-
-
 def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
-    """Map a GGUF tensor name to its Hugging Face name (None: no HF counterpart)."""
+    """Map a GGUF tensor name to its Hugging Face name (None: no HF counterpart). Expert
+    tensors map to a name with an ``{expert}`` field, one tensor per expert."""
     if gguf_name in _SKIPPED_TENSORS:
         return None
+    if arch in FAMILIES:
+        return _family_tensor_name(gguf_name, arch)
     base, _, suffix = gguf_name.rpartition(".")
     if base in _GLOBAL_TENSOR_NAMES and suffix in ("weight", "bias"):
         return f"{_GLOBAL_TENSOR_NAMES[base]}.{suffix}"
@@ -243,6 +294,18 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
         raise ValueError(f"GGUF tensor {gguf_name!r} has no known Hugging Face name")
     layer, part, suffix = match.groups()
     return f"model.layers.{layer}.{names[part]}.{suffix}"
+
+
+def _family_tensor_name(gguf_name: str, arch: str) -> str:
+    base, _, suffix = gguf_name.rpartition(".")
+    match = _LAYER_TENSOR_RE.fullmatch(gguf_name)
+    if match is None:
+        name = FAMILIES[arch].hf_name(None, base, suffix)
+    else:
+        name = FAMILIES[arch].hf_name(*match.groups())
+    if name is None:
+        raise ValueError(f"GGUF tensor {gguf_name!r} has no known Hugging Face name ({arch})")
+    return name
 
 
 def dequantize_tensor(tensor: gguf.ReaderTensor) -> torch.Tensor:
@@ -317,11 +380,17 @@ def iter_gguf_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
 def _iter_gguf(path: str, keep_quantized: bool) -> Iterator[tuple[str, Any]]:
     reader = _open_reader(str(path))
     arch = _architecture(reader, path)
-    is_permuted = _ARCHITECTURES[arch][2]
+    if arch in FAMILIES:
+        yield from _iter_family(reader, path, arch, keep_quantized)
+        return
+    is_permuted = _arch_entry(reader, arch)[2]
     num_heads, num_kv_heads = _head_counts(reader, arch)
     for tensor in reader.tensors:
         name = hf_tensor_name(tensor.name, arch)
         if name is None:
+            continue
+        if "{expert}" in name:
+            yield from _split_experts(name, tensor, keep_quantized)
             continue
         heads = _permuted_heads(name, is_permuted, num_heads, num_kv_heads)
         if keep_quantized and _is_quantized(tensor):
@@ -336,3 +405,31 @@ def _iter_gguf(path: str, keep_quantized: bool) -> Iterator[tuple[str, Any]]:
             if arch in _NORM_PLUS_ONE and name.endswith("norm.weight"):
                 weight = weight - 1
         yield name, weight
+
+
+def _split_experts(
+    name: str, tensor: gguf.ReaderTensor, keep_quantized: bool
+) -> Iterator[tuple[str, Any]]:
+    """One ``[num_experts, out, in]`` GGUF tensor -> ``[out, in]`` per expert."""
+    if keep_quantized and _is_quantized(tensor):
+        raise ValueError(f"{tensor.name}: --quantization gguf does not run expert tensors")
+    stacked = dequantize_tensor(tensor)  # [num_experts, out, in]
+    for expert, weight in enumerate(stacked):
+        yield name.format(expert=expert), weight
+
+
+def _iter_family(
+    reader: gguf.GGUFReader, path: str, arch: str, keep_quantized: bool
+) -> Iterator[tuple[str, Any]]:
+    """The non-Llama families: names and layouts from ``gguf_families``. Their models compute
+    on float weights only, so quantized matrices stay as stored (the model then refuses)."""
+    family, config = FAMILIES[arch], load_gguf_config(path)
+    for tensor in reader.tensors:
+        name = hf_tensor_name(tensor.name, arch)
+        if name is None:
+            continue
+        if keep_quantized and _is_quantized(tensor):
+            shape = tuple(int(dim) for dim in reversed(tensor.shape))
+            yield name, gguf_to_internal(tensor.name, tensor.tensor_type, tensor.data, shape)
+        else:
+            yield from family_tensors(family, name, dequantize_tensor(tensor), config)

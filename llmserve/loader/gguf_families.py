@@ -1,0 +1,409 @@
+"""GGUF architectures whose Hugging Face checkpoints are not named like Llama's.
+
+Each family maps llama.cpp's names back to the Hugging Face ones and undoes what
+llama.cpp's ``convert_hf_to_gguf.py`` did to the tensors on the way in:
+
+    gpt2       Conv1D weights ([in, out]) transposed to Linear's [out, in]    -> transposed back
+    bloom      fused qkv rows [heads, 3, head_dim] regrouped as [3, heads, head_dim]
+    gptneox    the same regrouping as bloom
+    falcon     fused qkv rows [kv_heads, group + 2, head_dim] regrouped as [q | k | v]
+    starcoder  (GPTBigCode), gptj, phi2, mpt: names only
+
+The converters write every family's feed-forward width as 4 * hidden, whatever the model
+has, so the width is read from the ``ffn_down`` tensor instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import (
+    BloomConfig,
+    FalconConfig,
+    GPT2Config,
+    GPTBigCodeConfig,
+    GPTJConfig,
+    GPTNeoXConfig,
+    MptConfig,
+    PhiConfig,
+    PretrainedConfig,
+)
+
+
+@dataclass(frozen=True)
+class GGUFMeta:
+    """A GGUF file's metadata and tensor shapes (HF order), as the config builders need them."""
+
+    arch: str
+    field: Callable[[str, Any], Any]  # (full key, default) -> value
+    tensor_shapes: dict[str, tuple[int, ...]]
+    token_ids: dict[str, int]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.field(f"{self.arch}.{key}", default)
+
+    def need(self, key: str) -> Any:
+        value = self.get(key)
+        if value is None:
+            raise ValueError(f"GGUF metadata lacks the required key {self.arch}.{key!r}")
+        return value
+
+    def has(self, tensor_name: str) -> bool:
+        return tensor_name in self.tensor_shapes
+
+    def common(self) -> dict[str, int | float | bool]:
+        """hidden, layers, heads, kv_heads, context, ffn (from ffn_down), vocab, eps, tied."""
+        heads = int(self.need("attention.head_count"))
+        vocab = self.get("vocab_size") or self.tensor_shapes["token_embd.weight"][0]
+        ffn_down = self.tensor_shapes.get("blk.0.ffn_down.weight")
+        return dict(
+            hidden=int(self.need("embedding_length")),
+            layers=int(self.need("block_count")),
+            heads=heads,
+            kv_heads=int(self.get("attention.head_count_kv", heads)),
+            context=int(self.get("context_length", 2048)),
+            ffn=int(ffn_down[1] if ffn_down else self.need("feed_forward_length")),
+            vocab=int(vocab),
+            eps=float(self.get("attention.layer_norm_epsilon", 1e-5)),
+            tied=not self.has("output.weight"),
+        )
+
+
+@dataclass(frozen=True)
+class GGUFFamily:
+    """How one llama.cpp architecture maps onto a Hugging Face one."""
+
+    hf_architecture: str
+    build_config: Callable[[GGUFMeta], PretrainedConfig]
+    layer_prefix: str  # Hugging Face layer ``i`` is ``{layer_prefix}.{i}``
+    layer_names: dict[str, str]  # GGUF part -> HF module under the layer
+    top_names: dict[str, str]  # GGUF tensor base -> HF module
+    # (HF name, tensor, config) -> tensor in HF layout
+    convert: Callable[[str, torch.Tensor, PretrainedConfig], torch.Tensor] | None = None
+
+    def hf_name(self, layer: str | None, part: str, suffix: str) -> str | None:
+        if layer is None:
+            module = self.top_names.get(part)
+            return None if module is None else f"{module}.{suffix}"
+        module = self.layer_names.get(part)
+        return None if module is None else f"{self.layer_prefix}.{layer}.{module}.{suffix}"
+
+
+def regroup_qkv_rows(weight: torch.Tensor, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's ``[q | k | v]`` regrouping of a fused qkv weight (or bias) into the
+    per-kv-group order of Bloom, GPT-NeoX (``num_kv_heads == num_heads``) and Falcon:
+    ``[kv_heads, heads // kv_heads query heads + one key + one value, head_dim]``."""
+    head_dim = weight.shape[0] // (num_heads + 2 * num_kv_heads)
+    rest = weight.shape[1:]
+    q, k, v = weight.split([num_heads * head_dim] + [num_kv_heads * head_dim] * 2)
+    group = num_heads // num_kv_heads
+    q = q.reshape(num_kv_heads, group, head_dim, *rest)
+    k = k.reshape(num_kv_heads, 1, head_dim, *rest)
+    v = v.reshape(num_kv_heads, 1, head_dim, *rest)
+    grouped = torch.cat([q, k, v], dim=1)  # [kv_heads, group + 2, head_dim, *rest]
+    return grouped.reshape(weight.shape)
+
+
+def _qkv_per_head(name: str, tensor: torch.Tensor, config: PretrainedConfig) -> torch.Tensor:
+    if "query_key_value" not in name:
+        return tensor
+    heads = config.num_attention_heads
+    return regroup_qkv_rows(tensor, heads, heads)
+
+
+def _falcon_qkv(name: str, tensor: torch.Tensor, config: PretrainedConfig) -> torch.Tensor:
+    if "query_key_value" not in name:
+        return tensor
+    heads = config.num_attention_heads
+    if config.new_decoder_architecture:
+        kv_heads = config.num_kv_heads
+    else:
+        kv_heads = 1 if config.multi_query else heads
+    return regroup_qkv_rows(tensor, heads, kv_heads)
+
+
+_CONV1D = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
+
+
+def _gpt2_conv1d(name: str, tensor: torch.Tensor, config: PretrainedConfig) -> torch.Tensor:
+    return tensor.t().contiguous() if name.endswith(_CONV1D) else tensor
+
+
+def _gpt2_config(meta: GGUFMeta, config_cls: type = GPT2Config, **extra: Any) -> PretrainedConfig:
+    c = meta.common()
+    return config_cls(
+        vocab_size=c["vocab"],
+        n_embd=c["hidden"],
+        n_layer=c["layers"],
+        n_head=c["heads"],
+        n_positions=c["context"],
+        n_inner=c["ffn"],
+        layer_norm_epsilon=c["eps"],
+        tie_word_embeddings=c["tied"],
+        **extra,
+        **meta.token_ids,
+    )
+
+
+def _starcoder_config(meta: GGUFMeta) -> PretrainedConfig:
+    kv_heads = int(meta.get("attention.head_count_kv", 1))
+    if kv_heads != 1 and kv_heads != int(meta.need("attention.head_count")):
+        raise ValueError(f"starcoder GGUF: {kv_heads} kv heads; GPTBigCode has 1 or all")
+    return _gpt2_config(
+        meta, GPTBigCodeConfig, multi_query=kv_heads == 1, activation_function="gelu_pytorch_tanh"
+    )
+
+
+def _gptj_config(meta: GGUFMeta) -> PretrainedConfig:
+    head_dim = int(meta.need("embedding_length")) // int(meta.need("attention.head_count"))
+    rotary_dim = int(meta.get("rope.dimension_count", head_dim))
+    return _gpt2_config(meta, GPTJConfig, rotary_dim=rotary_dim)
+
+
+def _bloom_config(meta: GGUFMeta) -> PretrainedConfig:
+    c = meta.common()
+    return BloomConfig(
+        vocab_size=c["vocab"],
+        hidden_size=c["hidden"],
+        n_layer=c["layers"],
+        n_head=c["heads"],
+        layer_norm_epsilon=c["eps"],
+        tie_word_embeddings=c["tied"],
+        **meta.token_ids,
+    )
+
+
+def _falcon_config(meta: GGUFMeta) -> PretrainedConfig:
+    """llama.cpp runs Falcon 7B (one norm, multi-query) and 40B/180B (two norms, kv groups),
+    both with parallel attention and no ALiBi."""
+    c = meta.common()
+    is_new = meta.has("blk.0.attn_norm_2.weight")
+    return FalconConfig(
+        vocab_size=c["vocab"],
+        hidden_size=c["hidden"],
+        num_hidden_layers=c["layers"],
+        num_attention_heads=c["heads"],
+        num_kv_heads=c["kv_heads"],
+        new_decoder_architecture=is_new,
+        multi_query=not is_new and c["kv_heads"] == 1,
+        parallel_attn=True,
+        alibi=False,
+        bias=meta.has("blk.0.attn_qkv.bias"),
+        ffn_hidden_size=c["ffn"],
+        max_position_embeddings=c["context"],
+        layer_norm_epsilon=c["eps"],
+        tie_word_embeddings=c["tied"],
+        **meta.token_ids,
+    )
+
+
+def _rotary_fraction(meta: GGUFMeta, head_dim: int) -> float:
+    return int(meta.get("rope.dimension_count", head_dim)) / head_dim
+
+
+def _gptneox_config(meta: GGUFMeta) -> PretrainedConfig:
+    c = meta.common()
+    return GPTNeoXConfig(
+        vocab_size=c["vocab"],
+        hidden_size=c["hidden"],
+        num_hidden_layers=c["layers"],
+        num_attention_heads=c["heads"],
+        intermediate_size=c["ffn"],
+        max_position_embeddings=c["context"],
+        rotary_pct=_rotary_fraction(meta, c["hidden"] // c["heads"]),
+        rotary_emb_base=float(meta.get("rope.freq_base", 10000.0)),
+        use_parallel_residual=bool(meta.get("use_parallel_residual", True)),
+        layer_norm_eps=c["eps"],
+        tie_word_embeddings=c["tied"],
+        **meta.token_ids,
+    )
+
+
+def _phi2_config(meta: GGUFMeta) -> PretrainedConfig:
+    c = meta.common()
+    return PhiConfig(
+        vocab_size=c["vocab"],
+        hidden_size=c["hidden"],
+        intermediate_size=c["ffn"],
+        num_hidden_layers=c["layers"],
+        num_attention_heads=c["heads"],
+        num_key_value_heads=c["kv_heads"],
+        max_position_embeddings=c["context"],
+        partial_rotary_factor=_rotary_fraction(meta, c["hidden"] // c["heads"]),
+        rope_theta=float(meta.get("rope.freq_base", 10000.0)),
+        layer_norm_eps=c["eps"],
+        tie_word_embeddings=c["tied"],
+        **meta.token_ids,
+    )
+
+
+def _mpt_config(meta: GGUFMeta) -> PretrainedConfig:
+    c = meta.common()
+    if c["ffn"] % c["hidden"]:
+        raise ValueError(f"mpt GGUF: feed-forward width {c['ffn']} is not a multiple of hidden")
+    alibi_max = float(meta.get("attention.max_alibi_bias", 0.0))
+    attn_config = dict(
+        alibi=alibi_max > 0,
+        alibi_bias_max=int(alibi_max or 8),
+        clip_qkv=meta.get("attention.clamp_kqv"),
+        kv_n_heads=c["kv_heads"],
+    )
+    return MptConfig(
+        vocab_size=c["vocab"],
+        d_model=c["hidden"],
+        n_layers=c["layers"],
+        n_heads=c["heads"],
+        max_seq_len=c["context"],
+        expansion_ratio=c["ffn"] // c["hidden"],
+        no_bias=not meta.has("blk.0.attn_qkv.bias"),
+        layer_norm_epsilon=c["eps"],
+        attn_config=attn_config,
+        tie_word_embeddings=c["tied"],
+        **meta.token_ids,
+    )
+
+
+_GPT2_LAYER = {
+    "attn_norm": "ln_1",
+    "attn_qkv": "attn.c_attn",
+    "attn_output": "attn.c_proj",
+    "ffn_norm": "ln_2",
+    "ffn_up": "mlp.c_fc",
+    "ffn_down": "mlp.c_proj",
+}
+_GPT2_TOP = {
+    "token_embd": "transformer.wte",
+    "position_embd": "transformer.wpe",
+    "output_norm": "transformer.ln_f",
+    "output": "lm_head",
+}
+_BLOOM_LAYER = {
+    "attn_norm": "input_layernorm",
+    "attn_qkv": "self_attention.query_key_value",
+    "attn_output": "self_attention.dense",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_up": "mlp.dense_h_to_4h",
+    "ffn_down": "mlp.dense_4h_to_h",
+}
+
+FAMILIES: dict[str, GGUFFamily] = {
+    "gpt2": GGUFFamily(
+        "GPT2LMHeadModel", _gpt2_config, "transformer.h", _GPT2_LAYER, _GPT2_TOP, _gpt2_conv1d
+    ),
+    "starcoder": GGUFFamily(
+        "GPTBigCodeForCausalLM", _starcoder_config, "transformer.h", _GPT2_LAYER, _GPT2_TOP
+    ),
+    "gptj": GGUFFamily(
+        "GPTJForCausalLM",
+        _gptj_config,
+        "transformer.h",
+        {
+            "attn_norm": "ln_1",
+            "attn_q": "attn.q_proj",
+            "attn_k": "attn.k_proj",
+            "attn_v": "attn.v_proj",
+            "attn_output": "attn.out_proj",
+            "ffn_up": "mlp.fc_in",
+            "ffn_down": "mlp.fc_out",
+        },
+        {"token_embd": "transformer.wte", "output_norm": "transformer.ln_f", "output": "lm_head"},
+    ),
+    "bloom": GGUFFamily(
+        "BloomForCausalLM",
+        _bloom_config,
+        "transformer.h",
+        _BLOOM_LAYER,
+        {
+            "token_embd": "transformer.word_embeddings",
+            "token_embd_norm": "transformer.word_embeddings_layernorm",
+            "output_norm": "transformer.ln_f",
+            "output": "lm_head",
+        },
+        _qkv_per_head,
+    ),
+    "falcon": GGUFFamily(
+        "FalconForCausalLM",
+        _falcon_config,
+        "transformer.h",
+        {
+            **_BLOOM_LAYER,
+            # 7B: one norm; 40B: attn_norm is ln_mlp (see family_tensors), attn_norm_2 ln_attn
+            "attn_norm": "input_layernorm",
+            "attn_norm_2": "ln_attn",
+        },
+        {
+            "token_embd": "transformer.word_embeddings",
+            "output_norm": "transformer.ln_f",
+            "output": "lm_head",
+        },
+        _falcon_qkv,
+    ),
+    "gptneox": GGUFFamily(
+        "GPTNeoXForCausalLM",
+        _gptneox_config,
+        "gpt_neox.layers",
+        {
+            **_BLOOM_LAYER,
+            "attn_qkv": "attention.query_key_value",
+            "attn_output": "attention.dense",
+        },
+        {
+            "token_embd": "gpt_neox.embed_in",
+            "output_norm": "gpt_neox.final_layer_norm",
+            "output": "embed_out",
+        },
+        _qkv_per_head,
+    ),
+    "phi2": GGUFFamily(
+        "PhiForCausalLM",
+        _phi2_config,
+        "model.layers",
+        {
+            "attn_norm": "input_layernorm",
+            "attn_q": "self_attn.q_proj",
+            "attn_k": "self_attn.k_proj",
+            "attn_v": "self_attn.v_proj",
+            "attn_qkv": "self_attn.qkv_proj",  # split into q/k/v by split_phi2_qkv
+            "attn_output": "self_attn.dense",
+            "ffn_up": "mlp.fc1",
+            "ffn_down": "mlp.fc2",
+        },
+        {
+            "token_embd": "model.embed_tokens",
+            "output_norm": "model.final_layernorm",
+            "output": "lm_head",
+        },
+    ),
+    "mpt": GGUFFamily(
+        "MptForCausalLM",
+        _mpt_config,
+        "transformer.blocks",
+        {
+            "attn_norm": "norm_1",
+            "attn_qkv": "attn.Wqkv",
+            "attn_output": "attn.out_proj",
+            "ffn_norm": "norm_2",
+            "ffn_up": "ffn.up_proj",
+            "ffn_down": "ffn.down_proj",
+        },
+        {"token_embd": "transformer.wte", "output_norm": "transformer.norm_f", "output": "lm_head"},
+    ),
+}
+
+
+def family_tensors(
+    family: GGUFFamily, hf_name: str, tensor: torch.Tensor, config: PretrainedConfig
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor in HF layout) for one GGUF tensor; Phi-2's fused qkv becomes three."""
+    if isinstance(config, FalconConfig) and config.new_decoder_architecture:
+        hf_name = hf_name.replace(".input_layernorm.", ".ln_mlp.")
+    if family.convert is not None:
+        tensor = family.convert(hf_name, tensor, config)
+    if isinstance(config, PhiConfig) and ".self_attn.qkv_proj." in hf_name:
+        for part, rows in zip("qkv", tensor.chunk(3)):  # llama.cpp's phi2 is multi-head only
+            yield hf_name.replace(".qkv_proj.", f".{part}_proj."), rows.contiguous()
+        return
+    yield hf_name, tensor
