@@ -55,12 +55,13 @@ class ModelConfig:
         6.0, "llm_int8: input features with |x| above this are multiplied in full precision"
     )
     quantized_activations: str = _opt(
-        "float",
-        "CPU kernels of quantized weights: float (weights decoded in registers, float32 "
-        "activations, exact up to summation order), int8x2 (activations as two int8 digits "
-        "per block of 32, 15 bits, integer dot products: about 1e-4 relative error) or int8 "
-        "(llama.cpp's scheme, one int8 digit: fastest, least accurate)",
-        ("float", "int8x2", "int8"),
+        "auto",
+        "CPU kernels of quantized weights: auto (int8x2 below 16 rows, where weight bytes "
+        "decide; above, weights decoded to tiles and a float GEMM, in bf16 on CPUs with "
+        "AVX512_BF16/AMX), float (float32 activations at every size, exact up to summation "
+        "order), int8x2 (activations as two int8 digits per block of 32: about 1e-4 relative "
+        "error) or int8 (llama.cpp's scheme, one digit: least accurate)",
+        ("auto", "float", "int8x2", "int8"),
     )
     nf4_double_quant: bool = _opt(
         False, "nf4/fp4: quantize the absmax constants again (8-bit, blocks of 256), as QLoRA"

@@ -135,8 +135,8 @@ def test_completions_api(llm):
         offline = llm.beam_search(PROMPTS[:1], BeamSearchParams(3, LENGTH, ignore_eos=True))[0]
         assert [c["text"] for c in reply["choices"]] == [s.text for s in offline.sequences]
         bad = httpx.post(
-            f"{server.url}/v1/completions", json=body | {"n": 2}, timeout=60
-        )  # fmt: skip
-        assert bad.status_code == 400 and "beam_width" in bad.json()["error"]["message"]
+            f"{server.url}/v1/completions", json=body | {"stop": ["x"]}, timeout=60
+        )  # beam search ranks greedy log-probabilities: no stop strings
+        assert bad.status_code == 400 and "stop strings" in bad.json()["error"]["message"]
     finally:
         server.close()

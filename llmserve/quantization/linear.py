@@ -4,14 +4,17 @@
 format, one per part: a GGUF file may store q/k in Q4_K and v in Q6_K) and runs the fused
 dequantize-matmul kernel of its device:
 
-    cpu       C++ kernel (kernels/cpu/quant_float.cpp): weights decoded in registers, float32
-              activations, exact up to summation order (AVX-512 / AVX2 / portable)
-    cpu_int8x2  C++ kernel (kernels/cpu/quant_gemm.cpp): activations as two int8 digits per
-              block of 32 (x = s * (hi + lo / 128), 15 bits), integer dot products (AVX-512
-              VNNI / AVX2 / scalar); relative error about 1e-4 (--quantized-activations int8x2)
-    cpu_int8  the same kernel with one digit, llama.cpp's scheme: the fastest, but rounding x
-              to 8 bits costs accuracy on models with large activations
-              (--quantized-activations int8)
+    cpu        C++ kernels, chosen per call (--quantized-activations auto, the default):
+               int8x2 below 16 rows (decode: the weights' bytes decide), decode-then-GEMM
+               above (prefill and big batches: compute decides), in bf16 tiles on CPUs with
+               AVX512_BF16 / AMX
+    cpu_float  kernels/cpu/quant_float.cpp at every size: weights decoded in registers,
+               float32 activations, exact up to summation order (AVX-512 / AVX2 / portable)
+    cpu_int8x2 kernels/cpu/quant_gemm.cpp: activations as two int8 digits per block of 32
+               (x = s * (hi + lo / 128), 15 bits), integer dot products (AVX-512 VNNI / AVX2 /
+               scalar); relative error about 1e-4
+    cpu_int8   the same kernel with one digit, llama.cpp's scheme: rounding x to 8 bits costs
+               accuracy on models with large activations
     cuda   Triton W4A16 / W8A16 kernel (kernels/quant_matmul.py), activations in 16 bits
     torch  dequantize, then matmul: the reference, used when neither kernel can run
 """
@@ -30,11 +33,11 @@ from llmserve.quantization.layout import (
     reference_linear,
 )
 
-KERNELS = ("cpu", "cpu_int8x2", "cpu_int8", "triton", "torch")
+KERNELS = ("cpu", "cpu_float", "cpu_int8x2", "cpu_int8", "triton", "torch")
 
 
-def default_kernel(device: torch.device, activations: str = "float") -> str:
-    """The kernel for ``device`` (``activations``: float, int8x2 or int8 on the CPU)."""
+def default_kernel(device: torch.device, activations: str = "auto") -> str:
+    """The kernel for ``device`` (``activations``: auto, float, int8x2 or int8 on the CPU)."""
     if device.type == "cuda":
         from llmserve.kernels import is_triton_available
 
@@ -43,16 +46,15 @@ def default_kernel(device: torch.device, activations: str = "float") -> str:
 
     if not cpu_quant.available():
         return "torch"
-    return {"int8": "cpu_int8", "int8x2": "cpu_int8x2"}.get(activations, "cpu")
+    return {"auto": "cpu"}.get(activations, f"cpu_{activations}")
 
 
 def kernel_function(kernel: str) -> Callable[..., torch.Tensor]:
     """The ``(x, weight, bias) -> y`` function of a kernel name, resolved once per layer."""
-    if kernel in ("cpu", "cpu_int8", "cpu_int8x2"):
+    if kernel.startswith("cpu"):
         from llmserve.kernels.cpu.quant import linear_function
 
-        # the float kernel gathers x[:, perm] itself, as the integer ones do
-        return linear_function({"cpu": 0, "cpu_int8": 1, "cpu_int8x2": 2}[kernel])
+        return linear_function("auto" if kernel == "cpu" else kernel.removeprefix("cpu_"))
     if kernel == "triton":
         from llmserve.kernels.quant_matmul import quant_matmul
 

@@ -195,6 +195,9 @@ def weight_bytes_by_dtype(model: nn.Module) -> dict[str, int]:
         if isinstance(module, QuantLinear | LLMInt8Linear):  # bias; LLM.int8's CB and SCB
             for buffer in module.buffers(recurse=False):
                 add(str(buffer.dtype).removeprefix("torch."), buffer)
+        packed = getattr(module, "packed_weight", None)  # a float layer packed for oneDNN
+        if isinstance(packed, torch.Tensor):
+            add(str(packed.dtype).removeprefix("torch."), packed)
     return dict(totals)
 
 

@@ -311,3 +311,36 @@ def test_quant_linear_f32_bad_input():
         quant.quant_linear_f32(torch.zeros(2, 64, dtype=torch.float64), weight)
     with pytest.raises(RuntimeError, match="scales must be contiguous float32"):
         quant.quant_linear_f32(torch.zeros(2, 32), weight)
+
+
+@pytest.mark.parametrize("bits,group,with_mins,with_perm", [(4, 32, True, False), (8, 16, False, False), (4, 64, True, True)])  # fmt: skip
+@pytest.mark.parametrize("m", [16, 70])
+def test_bf16_gemm_path(bits, group, with_mins, with_perm, m):
+    """From 16 rows, bf16_gemm decodes bf16 tiles for oneDNN's bf16 GEMM where the CPU has
+    AVX512_BF16: bf16's 8-bit mantissa on weights, x and y gives ~3e-3 relative error (< 1e-2
+    asserted); elsewhere it falls back to the fp32 path, exact up to summation order."""
+    n, k = 300, 256
+    qweight = pack_int4(torch.randint(0, 16, (n, k))) if bits == 4 else torch.randint(-127, 128, (n, k), dtype=torch.int8)  # fmt: skip
+    weight = QuantizedWeight(
+        bits, qweight, torch.rand(n, k // group) * 0.02,
+        torch.randn(n, k // group) * 0.02 if with_mins else None, group, None,
+        torch.randperm(k) if with_perm else None,
+    )  # fmt: skip
+    x, bias = torch.randn(m, k), torch.randn(n)
+    expected = reference_linear(x, weight, bias)
+    error = rel_err(quant.quant_linear_f32(x, weight, bias, bf16_gemm=True), expected)
+    if quant.has_bf16_gemm():
+        assert 1e-4 < error < 1e-2  # really rounded to bf16, and no worse
+    else:
+        assert error < EXACT_TOL
+
+
+def test_auto_mode_picks_by_rows():
+    weight = make_weight(4, 40, 256, 32, mins=True)
+    auto = quant.linear_function("auto")
+    small, large = torch.randn(3, 256), torch.randn(40, 256)
+    two_digits = quant.quant_linear(small, weight, act_digits=2)
+    assert torch.equal(auto(small, weight), two_digits)
+    assert torch.equal(auto(large, weight), quant.quant_linear_f32(large, weight, bf16_gemm=True))
+    with pytest.raises(AssertionError):
+        quant.linear_function("int4")

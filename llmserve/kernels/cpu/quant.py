@@ -110,36 +110,74 @@ def quant_linear(
     )  # fmt: skip
 
 
-def linear_function(act_digits: int) -> Callable[..., torch.Tensor]:
-    """The engine's ``(x, weight, bias) -> y`` with the op looked up once (it runs ~120 times a
-    decode step): ``act_digits`` 0 is the float-activation kernel, 1 int8, 2 int8x2."""
+def has_bf16_gemm() -> bool:
+    """Whether ``bf16_gemm=True`` takes the bf16 path here (the CPU has AVX512_BF16)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags and "avx512bw" in flags
+
+
+DECODE_ROWS = 16  # below this many rows the "auto" mode takes the integer (int8x2) kernel
+
+MODES = ("auto", "float", "int8x2", "int8")
+
+
+def linear_function(mode: str) -> Callable[..., torch.Tensor]:
+    """The engine's ``(x, weight, bias) -> y`` with the ops looked up once (they run ~120 times
+    a decode step). ``mode``:
+
+        float   the float-activation kernel at every batch size (exact up to summation order)
+        int8x2  two-digit int8 activations at every batch size (about 1e-4 relative error)
+        int8    one-digit int8 activations (llama.cpp's scheme)
+        auto    int8x2 below DECODE_ROWS rows, where the weights' bytes decide; above, the
+                decode-then-GEMM float path, in bf16 tiles on CPUs with AVX512_BF16 (oneDNN's
+                AMX/BF16 GEMM), where compute decides
+    """
     ops = _ops()
-    if act_digits == 0:
-        op = ops.quant_linear_f32
+    f32, integer = ops.quant_linear_f32, ops.quant_linear
 
-        def linear(x, w, bias=None):
-            return op(
-                x, w.qweight, w.scales, w.mins, w.lut, w.perm, w.bits, w.group_size, bias, "auto"
-            )
+    def float_linear(x, w, bias=None, bf16_gemm=False):
+        return f32(
+            x, w.qweight, w.scales, w.mins, w.lut, w.perm, w.bits, w.group_size, bias, "auto",
+            bf16_gemm,
+        )  # fmt: skip
 
-        return linear
-    op = ops.quant_linear
-
-    def linear(x, w, bias=None):
-        return op(
+    def integer_linear(x, w, bias=None, act_digits=2):
+        return integer(
             x, w.qweight, w.scales, w.mins, w.lut, w.perm, w.bits, w.group_size, bias, "auto",
             act_digits,
         )  # fmt: skip
 
-    return linear
+    if mode == "float":
+        return float_linear
+    if mode in ("int8", "int8x2"):
+        digits = 1 if mode == "int8" else 2
+        return lambda x, w, bias=None: integer_linear(x, w, bias, digits)
+    assert mode == "auto", mode
+
+    def auto_linear(x, w, bias=None):
+        if x.shape[0] < DECODE_ROWS:
+            return integer_linear(x, w, bias, 2)
+        return float_linear(x, w, bias, bf16_gemm=True)
+
+    return auto_linear
 
 
 def quant_linear_f32(
-    x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None, isa: str = "auto"
+    x: torch.Tensor,
+    weight: QuantizedWeight,
+    bias: torch.Tensor | None = None,
+    isa: str = "auto",
+    bf16_gemm: bool = False,
 ) -> torch.Tensor:
     """fp32 ``x [M, K]`` -> ``[M, N]`` with float activations (no activation rounding): the
-    weights are decoded in registers and multiplied in fp32; ``perm`` is applied inside."""
+    weights are decoded in registers and multiplied in fp32; ``perm`` is applied inside.
+    ``bf16_gemm``: from 16 rows on, tiles of the weight decoded to bf16 and multiplied by
+    ATen's bf16 GEMM (on CPUs with AVX512_BF16; elsewhere the fp32 path runs)."""
     return _ops().quant_linear_f32(
         x, weight.qweight, weight.scales, weight.mins, weight.lut, weight.perm,
-        weight.bits, weight.group_size, bias, isa,
+        weight.bits, weight.group_size, bias, isa, bf16_gemm,
     )  # fmt: skip

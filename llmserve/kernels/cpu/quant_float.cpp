@@ -6,11 +6,15 @@
 //
 //   decode shape (M < kTileRows): one pass over the weights, each decoded block reused for
 //     every row of x; threads split the output rows N.
-//   prefill shape: the weight is decoded to float in chunks of at most kChunkValues values
-//     (16 MB: every SmolLM2 layer but the LM head in one chunk), all threads decoding, and
-//     each chunk is multiplied by all of x with one multi-threaded ATen GEMM. The decode is
-//     paid once per call, so at hundreds of rows the cost is the fp32 GEMM's; the chunk is
+//   prefill shape, fp32: the weight is decoded to float in chunks of at most kChunkValues
+//     values (16 MB: every SmolLM2 layer but the LM head in one chunk), all threads decoding,
+//     and each chunk is multiplied by all of x with one multi-threaded ATen GEMM. The decode
+//     is paid once per call, so at hundreds of rows the cost is the fp32 GEMM's; the chunk is
 //     scratch memory freed after the call, never a resident float copy.
+//   prefill shape, bf16_gemm (CPUs with AVX512_BF16, the caller decides): threads take tiles
+//     of rows sized for L2 (kTileBytes), decode them to bf16 and multiply x (rounded to bf16
+//     once) with ATen's bf16 GEMM (oneDNN: AMX or AVX512_BF16), 2-6x the fp32 rate; weights,
+//     activations and outputs carry bf16's 8-bit mantissa, as bf16 inference does.
 //
 // No -march: the hot loops are compiled for x86-64-v4 (AVX-512), v3 (AVX2+FMA) and the
 // baseline by GCC's target_clones, which picks one when the library loads.
@@ -22,6 +26,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -29,6 +34,7 @@ namespace {
 constexpr int64_t kBlock = 32;
 constexpr int64_t kTileRows = 16;  // M at and above which the decode + GEMM path runs
 constexpr int64_t kChunkValues = int64_t{4} << 20;  // weight values decoded per GEMM
+constexpr int64_t kTileBytes = 512 << 10;  // bf16 tile of weight rows, L2-resident
 constexpr int kMaxRows = 4;  // rows of x accumulated together in the decode path
 
 #if defined(__x86_64__) && !defined(__clang__)
@@ -278,6 +284,61 @@ void decode_rows(Path path, const Weight& w, int64_t n0, int64_t n1, float* out)
     for (int64_t b = 0; b < w.k / kBlock; ++b) decode_block(w, n, b, out + (n - n0) * w.k + b * kBlock);
 }
 
+bool cpu_has_bf16() {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
+#else
+  return false;
+#endif
+}
+
+#if defined(__x86_64__)
+// rows [n0, n1) decoded to bf16 (round to nearest even): out[(n - n0) * K + k]; row: K floats
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma")))
+void decode_rows_bf16(Path path, const Weight& w, int64_t n0, int64_t n1, uint16_t* out, float* row) {
+  for (int64_t n = n0; n < n1; ++n) {
+    decode_rows(path, w, n, n + 1, row);
+    uint16_t* o = out + (n - n0) * w.k;
+    for (int64_t j = 0; j < w.k; j += 32) {
+      const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + j + 16), _mm512_loadu_ps(row + j));
+      _mm512_storeu_si512(o + j, (__m512i)v);
+    }
+  }
+}
+#endif
+
+// y = x @ W^T through bf16 tiles of W (the bf16_gemm prefill path)
+void gemm_bf16_tiles(Path path, const Weight& w, const at::Tensor& x, int64_t n, float* yp) {
+#if defined(__x86_64__)
+  const int64_t m = x.size(0), k = w.k;
+  const int64_t tile_rows = std::min(n, std::max<int64_t>(16, kTileBytes / (2 * k) / 16 * 16));
+  const int64_t num_tiles = (n + tile_rows - 1) / tile_rows;
+  const at::Tensor xb = x.to(at::kBFloat16);
+  at::parallel_for(0, num_tiles, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<uint16_t> buf(tile_rows * k);
+    std::vector<float> row(k);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * tile_rows, n1 = std::min(n, n0 + tile_rows);
+      decode_rows_bf16(path, w, n0, n1, buf.data(), row.data());
+      const at::Tensor tile = at::from_blob(buf.data(), {n1 - n0, k}, xb.options());
+      // raw copy: worker threads do not inherit InferenceMode, so no in-place ATen op on y
+      const at::Tensor part = at::mm(xb, tile.t()).contiguous();  // [M, n1 - n0] bf16
+      const uint16_t* pp = reinterpret_cast<const uint16_t*>(part.data_ptr());
+      for (int64_t i = 0; i < m; ++i) {
+        float* dst = yp + i * n + n0;
+        for (int64_t j = 0; j < n1 - n0; ++j) {
+          const uint32_t bits = static_cast<uint32_t>(pp[i * (n1 - n0) + j]) << 16;
+          std::memcpy(dst + j, &bits, 4);
+        }
+      }
+    }
+  });
+#else
+  TORCH_CHECK(false, "quant_linear_f32: bf16_gemm needs an x86-64 CPU with AVX512_BF16");
+#endif
+}
+
 void check(bool ok, const std::string& what) { TORCH_CHECK(ok, "quant_linear_f32: ", what); }
 
 Weight make_weight(const at::Tensor& qweight, const at::Tensor& scales,
@@ -321,7 +382,8 @@ Weight make_weight(const at::Tensor& qweight, const at::Tensor& scales,
 at::Tensor quant_linear_f32(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& scales,
                             const c10::optional<at::Tensor>& mins, const c10::optional<at::Tensor>& lut,
                             const c10::optional<at::Tensor>& perm, int64_t bits, int64_t group,
-                            const c10::optional<at::Tensor>& bias, const std::string& isa) {
+                            const c10::optional<at::Tensor>& bias, const std::string& isa,
+                            bool bf16_gemm) {
   check(x_in.scalar_type() == at::kFloat && x_in.dim() == 2, "x must be float32 [M, K]");
   const int64_t n = qweight.size(0);
   const int64_t k = x_in.size(1);
@@ -338,6 +400,8 @@ at::Tensor quant_linear_f32(const at::Tensor& x_in, const at::Tensor& qweight, c
       for (int64_t m0 = 0; m0 < m; m0 += kMaxRows)
         gemv_rows(path, w, xp, m0, static_cast<int>(std::min<int64_t>(kMaxRows, m - m0)), n0, n1, yp, n);
     });
+  } else if (bf16_gemm && cpu_has_bf16()) {
+    gemm_bf16_tiles(path, w, x, n, yp);
   } else {
     const int64_t chunk_rows = std::max<int64_t>(1, std::min(n, kChunkValues / k));
     at::Tensor chunk = at::empty({chunk_rows, k}, x.options());
@@ -362,7 +426,8 @@ at::Tensor quant_linear_f32(const at::Tensor& x_in, const at::Tensor& qweight, c
 TORCH_LIBRARY_FRAGMENT(llmserve_quant, m) {
   m.def(
       "quant_linear_f32(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, Tensor? lut, "
-      "Tensor? perm, int bits, int group_size, Tensor? bias, str isa=\"auto\") -> Tensor");
+      "Tensor? perm, int bits, int group_size, Tensor? bias, str isa=\"auto\", "
+      "bool bf16_gemm=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(llmserve_quant, CPU, m) { m.impl("quant_linear_f32", &quant_linear_f32); }
