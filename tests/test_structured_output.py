@@ -346,3 +346,24 @@ def test_auto_mode_parses_tool_call_blocks():
     single = ChatCompletionRequest(messages=ASK, tools=TOOLS, parallel_tool_calls=False)
     assert len(parse_auto(text, single)[1]) == 1
     assert parse_auto("no calls here", request) == ("no calls here", [])
+
+
+def test_constraints_survive_preemption_and_prefix_hits():
+    """A tiny KV pool forces recompute preemption mid-output; the matcher lives on the
+    sequence, so recomputed sequences keep their grammar state. Greedy outputs must equal the
+    same requests run with room to spare (a second run also hits the prefix cache)."""
+    from tests.conftest import assert_no_leaks
+
+    per_block = 46080 * 8
+    tight = LLM(kv_cache_memory=9 * per_block, block_size=8, max_model_len=72)
+    roomy = LLM(max_model_len=72)
+    pattern = r"[a-z]+( [a-z]+){8,14}\."
+    params = SamplingParams(temperature=0.0, max_tokens=40, structured_outputs={"regex": pattern})
+    prompts = [f"Tell me about item {i}:" for i in range(6)]
+    expected = [o.outputs[0].text for o in roomy.generate(prompts, params, use_tqdm=False)]
+    for _ in range(2):
+        got = [o.outputs[0].text for o in tight.generate(prompts, params, use_tqdm=False)]
+        assert got == expected
+    assert tight.llm_engine.scheduler.num_preemptions > 0
+    assert all(re.fullmatch(pattern, t) for t in expected), expected
+    assert_no_leaks(tight)
