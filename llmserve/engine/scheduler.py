@@ -137,7 +137,8 @@ class Scheduler:
         request = stepped[0].request
         params, state = request.params, request.beam
         request.is_forked = True
-        waiting = [s for s in request.seqs if s not in stepped and s in self.waiting + self.running]
+        queued = {id(s) for s in self.waiting + self.running}
+        waiting = [s for s in request.seqs if s not in stepped and id(s) in queued]
         beams = [(s, s.cumulative_logprob, s.output_token_ids, samples[s.seq_id]) for s in stepped]
         width = params.n - len(waiting)  # preempted siblings keep their places
         continuations, finished = beam_search.select(beams, width, eos_token_id, params.ignore_eos)

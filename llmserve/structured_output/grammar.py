@@ -11,25 +11,16 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
+import llguidance
+
 from llmserve.structured_output.params import StructuredOutputsParams
 
 CACHE_SIZE = 256
 
 
-def _import_llguidance():
-    try:
-        import llguidance
-    except ImportError:
-        raise ValueError(
-            "structured output needs the llguidance package: pip install llguidance"
-        ) from None
-    return llguidance
-
-
 def grammar_spec(params: StructuredOutputsParams) -> str:
     """llguidance's grammar text for the constraint (not yet checked against a tokenizer)."""
-    llg = _import_llguidance()
-    matcher = llg.LLMatcher
+    matcher = llguidance.LLMatcher
     kind = params.kind
     layout = {"whitespace_flexible": False} if params.disable_any_whitespace else None
     if kind == "json":
@@ -84,8 +75,7 @@ class GrammarCompiler:
                 self._cache.move_to_end(key)
                 return self._cache[key]
         spec = grammar_spec(params)
-        llg = _import_llguidance()
-        error = llg.LLMatcher.validate_grammar(spec, self.ll_tokenizer)
+        error = llguidance.LLMatcher.validate_grammar(spec, self.ll_tokenizer)
         if error:
             raise ValueError(f"structured_outputs.{params.kind} is invalid: {error.strip()}")
         with self._lock:
@@ -96,8 +86,7 @@ class GrammarCompiler:
 
     def matcher(self, spec: str):
         """A fresh matcher at the grammar's start."""
-        llg = _import_llguidance()
-        matcher = llg.LLMatcher(self.ll_tokenizer, spec)
+        matcher = llguidance.LLMatcher(self.ll_tokenizer, spec)
         if matcher.is_error():
             raise ValueError(f"structured output grammar failed to start: {matcher.get_error()}")
         return matcher
