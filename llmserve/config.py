@@ -66,6 +66,14 @@ class ModelConfig:
     nf4_double_quant: bool = _opt(
         False, "nf4/fp4: quantize the absmax constants again (8-bit, blocks of 256), as QLoRA"
     )
+    speculative_config: str | dict | None = _opt(
+        None,
+        "Speculative decoding, a JSON object as vLLM's: "
+        '{"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 4, '
+        '"prompt_lookup_min": 1} or {"method": "draft_model", "model": PATH (default: the '
+        'target itself), "quantization": "gguf", "num_speculative_tokens": K}; '
+        '"disable_by_batch_size": N turns it off in steps with more than N decodes (default 8)',
+    )
 
 
 @dataclass(frozen=True)
@@ -133,6 +141,13 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
 
+    @property
+    def speculative(self):
+        """``model.speculative_config`` parsed (spec_decode/config.py), or None."""
+        from llmserve.spec_decode.config import SpeculativeConfig
+
+        return SpeculativeConfig.parse(self.model.speculative_config)
+
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
         """Route flat keywords (``max_model_len=...``) to the dataclass that owns each one."""
@@ -166,5 +181,8 @@ class EngineConfig:
             raise ValueError(
                 f"llm_int8_threshold must be >= 0 (0 turns outliers off), got {self.model.llm_int8_threshold}"
             )
+        from llmserve.spec_decode.config import SpeculativeConfig
+
+        SpeculativeConfig.parse(self.model.speculative_config)  # fails before any work
         if not 0.0 < self.cache.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")

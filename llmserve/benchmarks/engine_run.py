@@ -59,8 +59,11 @@ def warmup(engine: LLMEngine) -> None:
 
 def engine_counters(engine: LLMEngine) -> dict[str, int]:
     """Running totals of the engine, to subtract before/after a run."""
-    stats, blocks = engine.stats, engine.block_manager
+    stats, blocks, spec = engine.stats, engine.block_manager, engine.spec_stats
     return {
+        "num_spec_drafts": spec.num_drafts,
+        "num_spec_draft_tokens": spec.num_draft_tokens,
+        "num_spec_accepted_tokens": spec.num_accepted_tokens,
         "num_steps": stats.num_steps,
         "num_batched_seqs": stats.num_batched_seqs,
         "num_preemptions": getattr(engine.scheduler, "num_preemptions", 0),
@@ -86,7 +89,30 @@ def engine_report(
         "max_kv_usage": max_kv_usage,
         "num_kv_blocks": engine.block_manager.num_blocks,
         "kv_block_size": engine.block_manager.block_size,
+    } | spec_report(delta)
+
+
+def spec_report(delta: dict[str, int]) -> dict:
+    """Speculative decoding over a run: acceptance rate and tokens per verifying step."""
+    drafts, drafted = delta["num_spec_drafts"], delta["num_spec_draft_tokens"]
+    if not drafts:
+        return {}
+    accepted = delta["num_spec_accepted_tokens"]
+    return {
+        "spec_num_drafts": drafts,
+        "spec_acceptance_rate": accepted / drafted,
+        "spec_mean_accepted_length": 1 + accepted / drafts,
     }
+
+
+def spec_text(result: dict) -> str:
+    if "spec_num_drafts" not in result:
+        return ""
+    return (
+        f"speculative decoding: {result['spec_num_drafts']} drafts verified, acceptance rate "
+        f"{100 * result['spec_acceptance_rate']:.1f}%, mean accepted length "
+        f"{result['spec_mean_accepted_length']:.2f} tokens per step"
+    )
 
 
 class _Driver:

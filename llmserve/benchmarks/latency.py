@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 from llmserve.benchmarks import workloads
+from llmserve.benchmarks.engine_run import spec_text
 from llmserve.benchmarks.report import format_table, machine_info, machine_text, write_json
 from llmserve.entrypoints.engine_args import add_engine_args, engine_kwargs
 
@@ -86,11 +87,14 @@ def _median(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def bench_llmserve(kwargs: dict[str, Any], prompt_ids, output_len, num_iters) -> dict[str, Any]:
-    from llmserve.benchmarks.engine_run import build_engine
+    from llmserve.benchmarks.engine_run import build_engine, engine_counters, spec_report
 
     engine, load_s = build_engine(kwargs)
     run_llmserve_once(engine, prompt_ids, 8)  # warm-up at this prompt length
+    before = engine_counters(engine)
     result = _median([run_llmserve_once(engine, prompt_ids, output_len) for _ in range(num_iters)])
+    after = engine_counters(engine)
+    result |= spec_report({k: after[k] - before[k] for k in after})
     result |= {"load_s": load_s, "quantization": kwargs.get("quantization"), "info": engine.kv_info}
     del engine
     return result
@@ -148,4 +152,5 @@ def summary_text(report: dict[str, Any]) -> str:
         f"one request: {report['prompt_len']} prompt tokens, {report['output_len']} output tokens; "
         f"{machine_text(report['machine'])}; CPU kernels: {report['machine']['cpu_kernel_isa']}"
     )
-    return header + "\n" + table
+    spec = [spec_text(r) for r in report["results"] if "spec_num_drafts" in r]
+    return header + "\n" + table + "".join("\n" + line for line in spec)

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from llmserve.benchmarks import peers
-from llmserve.benchmarks.engine_run import build_engine, drive, release_memory
+from llmserve.benchmarks.engine_run import build_engine, drive, release_memory, spec_text
 from llmserve.benchmarks.metrics import summarize_ms, throughput_result
 from llmserve.benchmarks.report import format_table, machine_info, write_json
 from llmserve.benchmarks.workloads import BenchRequest
@@ -181,7 +181,7 @@ def engine_stats_text(result: dict) -> str:
         f"{result['num_preemptions']} preemptions, prefix cache hit rate "
         f"{100 * result['prefix_hit_rate']:.1f}%, peak KV usage {100 * result['max_kv_usage']:.1f}% "
         f"of {result['num_kv_blocks']} blocks x {result['kv_block_size']} tokens"
-    )
+    ) + ("; " + spec_text(result) if "spec_num_drafts" in result else "")
 
 
 def _ratio(value: float | None) -> str:

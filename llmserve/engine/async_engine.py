@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import copy
 import logging
 import queue
 import threading
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 from llmserve.engine.llm_engine import LLMEngine, PromptType
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams
+from llmserve.spec_decode.stats import SpecDecodeStats
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +59,7 @@ class EngineSnapshot:
     num_prefix_hits: int = 0
     num_steps: int = 0
     max_batched_seqs: int = 0
+    spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)  # a copy
 
 
 @dataclass
@@ -317,6 +320,7 @@ class AsyncLLMEngine:
             num_prefix_hits=blocks.num_prefix_hits,
             num_steps=engine.stats.num_steps,
             max_batched_seqs=engine.stats.max_batched_seqs,
+            spec_decode=copy.deepcopy(engine.spec_stats),
         )
 
 

@@ -83,6 +83,12 @@ class BlockManager:
         seq.block_ids = []
         seq.block_hashes = []
 
+    def trim(self, seq: Sequence) -> None:
+        """Give back blocks past ``seq.num_computed_tokens`` (slots of rejected drafts)."""
+        keep = self.num_blocks_for(seq.num_computed_tokens)
+        while len(seq.block_ids) > keep:
+            self._release(seq.block_ids.pop())
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Share all of ``parent``'s blocks with ``child`` (parallel sampling)."""
         for block_id in parent.block_ids:

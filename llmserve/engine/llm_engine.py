@@ -26,6 +26,7 @@ from llmserve.structured_output.grammar import GrammarCompiler
 logger = logging.getLogger(__name__)
 
 PromptType = str | list[int] | dict[str, Any]
+SPEC_LOG_S = 10.0  # how often the speculative acceptance rate is logged
 
 
 @dataclass
@@ -56,15 +57,24 @@ class LLMEngine:
         self.grammars = GrammarCompiler(
             self.tokenizer, self.hf_config.vocab_size, self.eos_token_id
         )  # structured output: built on first use
+        self.speculative = config.speculative
+        drafter = None
+        if self.speculative is not None and self.speculative.uses_draft_model:
+            from llmserve.spec_decode.draft_model import resolve_drafter
+
+            drafter = resolve_drafter(
+                self.speculative, self.resolved, self.hf_config, self.max_model_len
+            )
         self.runner, num_blocks, info = create_runner(
-            self.resolved, self.hf_config, config, self.max_model_len, self.eos_token_id
+            self.resolved, self.hf_config, config, self.max_model_len, self.eos_token_id, drafter
         )
         logger.info(info)
         self.kv_info = info
         self.block_manager = BlockManager(
             num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
-        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.speculative)
+        self._last_spec_log = time.monotonic()
         self.model_name = config.model.served_model_name or self.resolved.display_name
         self.stats = EngineStats()
         self._seq_counter = itertools.count()
@@ -191,6 +201,8 @@ class LLMEngine:
         now = time.monotonic()
         for sample in self.scheduler.update(sched, result.samples, self.eos_token_id):
             seq = sample.seq
+            if seq.is_finished:  # stopped by an earlier token of the same verified step
+                continue
             changed[seq.request.request_id] = seq.request
             self.stats.num_generation_tokens += 1
             if seq.request.beam is not None:  # text is decoded once, at the end
@@ -204,6 +216,7 @@ class LLMEngine:
                 )
             reason = process_sample(sample, self.eos_token_id, self.max_model_len)
             if reason is not None:
+                del seq.token_ids[seq.num_prompt_tokens + sample.num_output_tokens :]
                 self._finish(seq, reason)
             self._touch(seq.request, now)
         for item in sched.scheduled:  # beam requests the scheduler ended this step
@@ -244,7 +257,16 @@ class LLMEngine:
             metrics.first_token_time = now
         metrics.last_token_time = now
 
+    @property
+    def spec_stats(self):
+        """Speculative decoding totals (spec_decode/stats.py); all zero without it."""
+        return self.scheduler.spec_stats
+
     def _record_step(self, sched: SchedulerOutput) -> None:
+        if self.speculative is not None and time.monotonic() - self._last_spec_log > SPEC_LOG_S:
+            self._last_spec_log = time.monotonic()
+            if self.spec_stats.num_drafts:
+                logger.info(self.spec_stats.describe())
         self.stats.num_steps += 1
         self.stats.num_batched_seqs += len(sched.scheduled)
         self.stats.max_batched_seqs = max(self.stats.max_batched_seqs, len(sched.scheduled))

@@ -18,13 +18,17 @@ from llmserve.outputs import CompletionOutput, RequestOutput
 def process_sample(
     sample: SampledSeq, eos_token_id: int | None, max_model_len: int
 ) -> FinishReason | None:
-    """Record one new token on its sequence; return why the sequence stops, if it does."""
-    seq, token_id = sample.seq, sample.token_id
+    """Record one new token on its sequence; return why the sequence stops, if it does.
+
+    A verified speculative step brings several tokens of one sequence at once, all already in
+    ``seq.token_ids``: each is judged at its own output length, and when one stops the
+    sequence the tokens after it are dropped."""
+    seq, token_id, num_output = sample.seq, sample.token_id, sample.num_output_tokens
     params = seq.request.params
     if sample.logprobs is not None:
         seq.logprobs.append(sample.logprobs)
         seq.cumulative_logprob += sample.logprobs.get(token_id, 0.0)
-    can_stop = seq.num_output_tokens >= params.min_tokens
+    can_stop = num_output >= params.min_tokens
     if can_stop and token_id in params.stop_token_ids:
         seq.stop_reason = token_id
         return FinishReason.STOP
@@ -36,7 +40,7 @@ def process_sample(
         return FinishReason.STOP
     if seq.grammar is not None and seq.grammar.is_stopped():  # the output is complete
         return FinishReason.STOP
-    if seq.num_output_tokens >= seq.request.max_tokens or seq.num_tokens >= max_model_len:
+    if num_output >= seq.request.max_tokens or seq.num_prompt_tokens + num_output >= max_model_len:
         return FinishReason.LENGTH
     return None
 

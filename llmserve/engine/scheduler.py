@@ -10,7 +10,11 @@ Every step hands out at most ``max_num_batched_tokens`` tokens over at most
   2. then waiting sequences, while budget, sequence slots and blocks last; a prompt longer
      than the remaining budget is chunked over several steps.
 
-Decodes and prefill chunks go into the same forward pass. The interface is small:
+Decodes and prefill chunks go into the same forward pass. With speculative decoding
+(``spec_decode/``) a decode carries K drafted tokens too, verified in that same pass; only the
+accepted ones count as computed, and the blocks past them are given back.
+
+The interface is small:
 ``add`` -> ``schedule() -> SchedulerOutput`` -> ``update(output, samples)`` -> ``abort``.
 """
 
@@ -26,6 +30,9 @@ from llmserve.engine import beam_search
 from llmserve.engine.batching import make_policy
 from llmserve.engine.block_manager import BlockManager
 from llmserve.engine.sequence import FinishReason, Request, Sequence, SequenceStatus
+from llmserve.spec_decode.config import SpeculativeConfig
+from llmserve.spec_decode.ngram import propose_ngram
+from llmserve.spec_decode.stats import SpecDecodeStats
 
 
 @dataclass
@@ -35,6 +42,8 @@ class ScheduledSeq:
     seq: Sequence
     num_tokens: int
     num_samples: int  # 0 mid-prompt, 1 normally, n when this step forks a request
+    num_spec_tokens: int = 0  # drafted tokens to verify after the last real one
+    spec_token_ids: list[int] | None = None  # n-gram drafts; None: the draft model makes them
 
 
 @dataclass
@@ -62,14 +71,22 @@ class SampledSeq:
     seq: Sequence
     token_id: int
     logprobs: dict[int, float] | None
+    num_output_tokens: int = 0  # the sequence's output length with this token
 
 
 class Scheduler:
     """Decides which sequences run each step; owns the waiting and running queues."""
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        speculative: SpeculativeConfig | None = None,
+    ):
         self.config = config
         self.block_manager = block_manager
+        self.speculative = speculative
+        self.spec_stats = SpecDecodeStats()
         self.waiting: list[Sequence] = []  # sorted by self._key
         self.running: list[Sequence] = []  # sorted by self._key
         self.requests: dict[str, Request] = {}
@@ -112,6 +129,9 @@ class Scheduler:
             seq = item.seq
             if seq.is_finished:  # aborted while the step ran
                 continue
+            if item.num_spec_tokens:
+                sampled.extend(self._accept(item, samples[seq.seq_id]))
+                continue
             seq.num_computed_tokens += item.num_tokens
             self.block_manager.cache_full_blocks(seq)
             if item.num_samples == 0:
@@ -125,9 +145,26 @@ class Scheduler:
                 target.token_ids.append(token_id)
                 if target.grammar is not None:
                     target.grammar.consume_token(token_id)
-                sampled.append(SampledSeq(target, token_id, logprobs))
+                sampled.append(SampledSeq(target, token_id, logprobs, target.num_output_tokens))
         for stepped in beam_groups.values():
             sampled.extend(self._beam_step(stepped, samples, eos_token_id))
+        return sampled
+
+    def _accept(self, item: ScheduledSeq, tokens: list[tuple[int, Any]]) -> list[SampledSeq]:
+        """A verified decode: the accepted drafts and the target's token join the sequence;
+        only they count as computed, and blocks holding rejected slots go back."""
+        seq, num_drafted, num_accepted = item.seq, item.num_spec_tokens, len(tokens) - 1
+        start = seq.num_computed_tokens
+        seq.num_computed_tokens = start + 1 + num_accepted
+        if self.speculative.uses_draft_model:  # its KV holds the last token and accepted drafts
+            seq.draft_num_computed_tokens = start + 1 + min(num_accepted, num_drafted - 1)
+        self.block_manager.trim(seq)
+        self.block_manager.cache_full_blocks(seq)
+        self.spec_stats.record(num_drafted, num_accepted)
+        sampled = []
+        for token_id, logprobs in tokens:
+            seq.token_ids.append(token_id)
+            sampled.append(SampledSeq(seq, token_id, logprobs, seq.num_output_tokens))
         return sampled
 
     def _beam_step(
@@ -157,7 +194,7 @@ class Scheduler:
         for target, c in plan:
             target.token_ids.append(c.token_id)
             target.cumulative_logprob = c.cumulative_logprob
-            sampled.append(SampledSeq(target, c.token_id, None))
+            sampled.append(SampledSeq(target, c.token_id, None, target.num_output_tokens))
         for seq in spare:  # pruned: its blocks go back now
             self.finish(seq, FinishReason.STOP)
         best = continuations[0].cumulative_logprob if continuations else None
@@ -174,6 +211,7 @@ class Scheduler:
         child.token_ids = list(parent.token_ids)
         child.num_computed_tokens = parent.num_computed_tokens
         child.num_cached_tokens = parent.num_cached_tokens
+        child.draft_num_computed_tokens = parent.draft_num_computed_tokens
         self.block_manager.fork(parent, child)
         if child.status is not SequenceStatus.RUNNING:
             child.status, child.finish_reason = SequenceStatus.RUNNING, None
@@ -205,10 +243,15 @@ class Scheduler:
     # ---- running ------------------------------------------------------------------------
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         scheduled: set[int] = set()
+        speculate = self._speculation_pays()
         for seq in list(self.running):
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted in this loop
+                continue
+            if speculate and self._schedule_speculative(seq, budget, out):
+                scheduled.add(seq.seq_id)
+                budget -= out.scheduled[-1].num_tokens
                 continue
             num_tokens = min(seq.num_uncomputed_tokens, budget)
             if not self._make_room(seq, num_tokens, scheduled, out):
@@ -218,6 +261,40 @@ class Scheduler:
             scheduled.add(seq.seq_id)
             budget -= num_tokens
         return budget
+
+    # ---- speculative decoding -------------------------------------------------------------
+    def _speculation_pays(self) -> bool:
+        """Large batches are compute-bound: verifying rejected drafts would cost real time."""
+        spec = self.speculative
+        if spec is None:
+            return False
+        num_decodes = sum(1 for s in self.running if s.num_uncomputed_tokens == 1)
+        return num_decodes <= spec.disable_by_batch_size
+
+    def _schedule_speculative(self, seq: Sequence, budget: int, out: SchedulerOutput) -> bool:
+        """Schedule ``seq``'s decode with K drafts, if it can take any and they fit now."""
+        request = seq.request
+        if (
+            seq.num_uncomputed_tokens != 1
+            or self._num_samples(seq, 1) != 1
+            or request.params.use_beam_search
+            or seq.grammar is not None  # drafts would need the grammar's rollback
+        ):
+            return False
+        spec = self.speculative
+        # Never draft past max_tokens (which the engine capped at the context's end).
+        k = min(
+            spec.num_speculative_tokens, request.max_tokens - seq.num_output_tokens - 1, budget - 1
+        )
+        drafts = None
+        if k > 0 and spec.method == "ngram":
+            drafts = propose_ngram(seq.token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+            k = len(drafts)
+        if k < 1 or not self.block_manager.can_allocate(seq, 1 + k):
+            return False  # a plain decode instead (which may preempt to make room)
+        self.block_manager.allocate(seq, 1 + k)
+        out.scheduled.append(ScheduledSeq(seq, 1 + k, 1, num_spec_tokens=k, spec_token_ids=drafts))
+        return True
 
     def _make_room(
         self, seq: Sequence, num_tokens: int, scheduled: set[int], out: SchedulerOutput
@@ -236,6 +313,7 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
+        seq.draft_num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.num_preemptions += 1
         self._insert(self.waiting, seq)
@@ -319,6 +397,7 @@ class Scheduler:
             child.token_ids = list(parent.token_ids)
             child.num_computed_tokens = parent.num_computed_tokens
             child.num_cached_tokens = parent.num_cached_tokens
+            child.draft_num_computed_tokens = parent.draft_num_computed_tokens
             self.block_manager.fork(parent, child)
             child.status = SequenceStatus.RUNNING
             self._insert(self.running, child)

@@ -66,6 +66,7 @@ class Sequence:
     stop_reason: int | str | None = None
     detokenizer: Any = None  # IncrementalDetokenizer, set by the engine
     grammar: Any = None  # structured output: the matcher of this sequence's tokens so far
+    draft_num_computed_tokens: int = 0  # speculative draft model: its KV is valid up to here
     output_text: str = ""
 
     @property

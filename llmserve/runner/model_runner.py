@@ -1,12 +1,11 @@
 """The model runner: builds flat tensors from the scheduler's output, runs the model, samples.
 
 Nothing here lives across steps except the weights, the KV pool and the per-sequence random
-generators: every step's tensors are rebuilt from the ``SchedulerOutput``.
+generators: every step's tensors are rebuilt from the ``SchedulerOutput`` (runner/inputs.py).
 
-    scheduled:  [d0] [d1] [p0 chunk: 3 tokens] [p1 chunk: 2 tokens]
-    input_ids:   t    t    t  t  t              t  t
-    positions:   9    3    0  1  2              128 129
-    slot_mapping: block_table[pos // bs] * bs + pos % bs, per token
+    scheduled:  [d0] [d1] [p0 chunk: 3 tokens] [p1 chunk: 2 tokens] [s0: t d1 d2 d3]
+    input_ids:   t    t    t  t  t              t  t                 t  d1 d2 d3
+    logits:      1    1    -                    1                    4 (verified, spec_decode/)
 """
 
 from __future__ import annotations
@@ -18,10 +17,12 @@ import torch
 
 from llmserve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from llmserve.layers.attention_metadata import AttentionMetadata
-from llmserve.layers.paged_attention_torch import build_plan
 from llmserve.runner import kv_cache
 from llmserve.runner.cuda_graph import CUDAGraphRunner
+from llmserve.runner.inputs import Chunk, StepInputs, build_step_inputs
 from llmserve.runner.sampler import Sampler, SamplingRow, compute_prompt_logprobs
+from llmserve.spec_decode import rejection_sampler
+from llmserve.spec_decode.draft_model import DraftModelProposer, Proposal
 from llmserve.structured_output.masking import apply_grammar_masks
 
 logger = logging.getLogger(__name__)
@@ -37,14 +38,6 @@ class RunnerOutput:
     prompt_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
 
 
-@dataclass
-class StepInputs:
-    input_ids: torch.Tensor  # [num_tokens]
-    positions: torch.Tensor  # [num_tokens]
-    meta: AttentionMetadata
-    logits_indices: torch.Tensor  # [num_sampling_seqs] last token of each sampling sequence
-
-
 class ModelRunner:
     """Owns the model and the KV pool; ``execute`` runs one scheduled step."""
 
@@ -57,6 +50,7 @@ class ModelRunner:
         eos_token_id: int | None,
         attention_backend: str,
         cuda_graphs: CUDAGraphRunner | None = None,
+        drafter: DraftModelProposer | None = None,
     ):
         self.model = model
         self.kv_caches = kv_caches
@@ -67,13 +61,15 @@ class ModelRunner:
         self.sampler = Sampler()
         self.generators: dict[int, torch.Generator] = {}
         self.cuda_graphs = cuda_graphs  # decode-only steps replay a captured graph (CUDA)
+        self.drafter = drafter  # speculative decoding with a draft model
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         for seq_id in sched.finished_seq_ids:
             self.generators.pop(seq_id, None)
         kv_cache.copy_blocks(self.kv_caches, sched.blocks_to_copy)
-        inputs = self.prepare_inputs(sched.scheduled)
+        drafts = self._propose(sched.scheduled)
+        inputs = self.prepare_inputs(sched.scheduled, drafts)
         if self.cuda_graphs and self.cuda_graphs.can_use(inputs.meta):
             hidden = self.cuda_graphs.forward(inputs.input_ids, inputs.positions, inputs.meta)
         else:
@@ -81,53 +77,35 @@ class ModelRunner:
                 inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta
             )  # [T, hidden]
         out = RunnerOutput()
-        self._sample(sched.scheduled, hidden, inputs.logits_indices, out)
+        self._sample(sched.scheduled, hidden, inputs.logits_indices, drafts, out)
         self._prompt_logprobs(sched.scheduled, hidden, inputs.meta, out)
         return out
 
     # ---- inputs -------------------------------------------------------------------------
-    def prepare_inputs(self, scheduled: list[ScheduledSeq]) -> StepInputs:
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_start = [0]
-        logits_indices: list[int] = []
-        bs = self.block_size
-        for item in scheduled:
-            seq, start = item.seq, item.seq.num_computed_tokens
-            end = start + item.num_tokens
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            table = seq.block_ids
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            query_start.append(query_start[-1] + item.num_tokens)
-            if item.num_samples:
-                logits_indices.append(query_start[-1] - 1)
-        seq_lens = [s.seq.num_computed_tokens + s.num_tokens for s in scheduled]
-        max_blocks = max(len(s.seq.block_ids) for s in scheduled)
-        tables = [s.seq.block_ids + [0] * (max_blocks - len(s.seq.block_ids)) for s in scheduled]
-        meta = AttentionMetadata(
-            num_decodes=sum(1 for s in scheduled if s.num_tokens == 1),
-            query_start_loc=self._tensor(query_start, torch.int32),
-            seq_lens=self._tensor(seq_lens, torch.int32),
-            block_tables=self._tensor(tables, torch.int32),
-            slot_mapping=self._tensor(slots, torch.int64),
-            max_query_len=max(s.num_tokens for s in scheduled),
-            max_seq_len=max(seq_lens),
-            query_lens_cpu=[s.num_tokens for s in scheduled],
-            seq_lens_cpu=seq_lens,
-        )
-        if self.attention_backend in ("torch", "cpp"):
-            meta.plan = build_plan(meta, bs, native_decode=self.attention_backend == "cpp")
-        return StepInputs(
-            input_ids=self._tensor(input_ids, torch.int64),
-            positions=self._tensor(positions, torch.int64),
-            meta=meta,
-            logits_indices=self._tensor(logits_indices, torch.int64),
+    def _propose(self, scheduled: list[ScheduledSeq]) -> dict[int, Proposal]:
+        """Drafts of this step's speculating sequences: n-gram ones came with the schedule,
+        the draft model makes its own (and keeps its KV pool in step with the blocks)."""
+        speculating = [s for s in scheduled if s.num_spec_tokens]
+        if not speculating:
+            return {}
+        if self.drafter is None:
+            return {s.seq.seq_id: (s.spec_token_ids, None) for s in speculating}
+        return self.drafter.propose(
+            speculating, lambda item, drafts: self._row(item, item.seq, drafts)
         )
 
-    def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
+    def prepare_inputs(
+        self, scheduled: list[ScheduledSeq], drafts: dict[int, Proposal] | None = None
+    ) -> StepInputs:
+        chunks = []
+        for item in scheduled:
+            seq, start = item.seq, item.seq.num_computed_tokens
+            tokens = seq.token_ids[start : start + item.num_tokens - item.num_spec_tokens]
+            if item.num_spec_tokens:
+                tokens = tokens + drafts[seq.seq_id][0]
+            num_logits = 1 + item.num_spec_tokens if item.num_samples else 0
+            chunks.append(Chunk(tokens, start, seq.block_ids, num_logits))
+        return build_step_inputs(chunks, self.block_size, self.device, self.attention_backend)
 
     # ---- sampling -----------------------------------------------------------------------
     def _sample(
@@ -135,12 +113,17 @@ class ModelRunner:
         scheduled: list[ScheduledSeq],
         hidden: torch.Tensor,
         logits_indices: torch.Tensor,
+        drafts: dict[int, Proposal],
         out: RunnerOutput,
     ) -> None:
         sampling = [s for s in scheduled if s.num_samples]
         if not sampling:
             return
-        logits = self.model.compute_logits(hidden[logits_indices])  # [num_sampling, vocab]
+        logits = self.model.compute_logits(hidden[logits_indices])  # [num_logits, vocab]
+        if drafts:  # speculating sequences have K + 1 rows each; verify them apart
+            logits, sampling = self._verify(sampling, logits, drafts, out)
+            if not sampling:
+                return
         is_beam = [s.seq.request.params.use_beam_search for s in sampling]
         if any(is_beam):
             beam_rows = [i for i, b in enumerate(is_beam) if b]
@@ -172,6 +155,33 @@ class ModelRunner:
             ]
             k += item.num_samples
 
+    def _verify(
+        self,
+        sampling: list[ScheduledSeq],
+        logits: torch.Tensor,
+        drafts: dict[int, Proposal],
+        out: RunnerOutput,
+    ) -> tuple[torch.Tensor, list[ScheduledSeq]]:
+        """Accept or reject the drafts; returns the other sequences and their logits rows."""
+        plain_rows, plain, spec_rows, checks = [], [], [], []
+        row = 0
+        for item in sampling:
+            if not item.num_spec_tokens:
+                plain_rows.append(row)
+                plain.append(item)
+                row += 1
+                continue
+            tokens, q = drafts[item.seq.seq_id]
+            rows = [self._row(item, item.seq, tokens[:j]) for j in range(len(tokens) + 1)]
+            checks.append((item, rejection_sampler.Verification(tokens, q, rows)))
+            spec_rows.extend(range(row, row + len(rows)))
+            row += len(rows)
+        index = torch.tensor(spec_rows, device=logits.device)
+        results = rejection_sampler.verify(logits[index], [v for _, v in checks])
+        for (item, _), samples in zip(checks, results, strict=True):
+            out.samples[item.seq.seq_id] = samples
+        return logits[torch.tensor(plain_rows, device=logits.device, dtype=torch.long)], plain
+
     def _beam_candidates(
         self, items: list[ScheduledSeq], logits: torch.Tensor, out: RunnerOutput
     ) -> None:
@@ -187,12 +197,13 @@ class ModelRunner:
                 zip(top.indices.tolist(), top.values.tolist(), strict=True)
             )
 
-    def _row(self, item: ScheduledSeq, target) -> SamplingRow:
+    def _row(self, item: ScheduledSeq, target, drafts: list[int] = ()) -> SamplingRow:
+        """Sampling row of ``target``'s next token; after ``drafts`` when verifying them."""
         request = item.seq.request
         return SamplingRow(
             params=request.params,
             prompt_token_ids=request.prompt_token_ids,
-            output_token_ids=item.seq.output_token_ids,
+            output_token_ids=item.seq.output_token_ids + list(drafts),
             generator=self._generator(target),
             eos_token_id=self.eos_token_id,
         )

@@ -54,13 +54,18 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (logits.shape, len(rows))
         raw_logits = logits  # [num_rows, vocab_size]
-        logits = logits.float()  # may alias the caller's tensor: every stage is out of place
-        logits = apply_logit_bias(logits, rows)
-        logits = apply_min_tokens(logits, rows)
-        logits = _apply_row_penalties(logits, rows)
+        logits = penalized_logits(logits, rows)
         sampled = _sample(logits, rows)  # [num_rows] int64
         logprobs = _sampled_logprobs(raw_logits, rows, sampled)
         return SamplerOutput(sampled_token_ids=sampled.tolist(), logprobs=logprobs)
+
+
+def penalized_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """fp32 ``logits`` after logit_bias, the min_tokens mask and the penalties."""
+    logits = logits.float()  # may alias the caller's tensor: every stage is out of place
+    logits = apply_logit_bias(logits, rows)
+    logits = apply_min_tokens(logits, rows)
+    return _apply_row_penalties(logits, rows)
 
 
 @dataclass
@@ -215,6 +220,12 @@ def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
 
 def _random_sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """[num_rows] int64 drawn after temperature, top-k, top-p and min-p."""
+    return exponential_race(sampling_probs(logits, rows), [row.generator for row in rows])
+
+
+def sampling_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """[num_rows, vocab] the distribution random rows draw from: penalized ``logits`` after
+    temperature, top-k, top-p and min-p (unnormalized where min-p zeroed tokens)."""
     knobs = SamplingTensors.from_params([r.params for r in rows], logits.shape[-1], logits.device)
     logits = logits / knobs.temperature[:, None]  # [num_rows, vocab]
     if knobs.top_p is not None:
@@ -224,7 +235,7 @@ def _random_sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
     probs = logits.softmax(dim=-1)  # [num_rows, vocab]
     if knobs.min_p is not None:
         probs = apply_min_p(probs, knobs.min_p)
-    return exponential_race(probs, [row.generator for row in rows])
+    return probs
 
 
 def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
@@ -293,7 +304,7 @@ def _sampled_logprobs(
         return result
     index = _tensor(wanted, torch.int64, raw_logits.device)  # [num_wanted]
     num_logprobs = [rows[i].params.logprobs for i in wanted]
-    dicts = _top_logprobs(raw_logits[index], sampled[index], num_logprobs)
+    dicts = top_logprobs(raw_logits[index], sampled[index], num_logprobs)
     for i, logprobs in zip(wanted, dicts, strict=True):
         result[i] = logprobs
     return result
@@ -314,22 +325,22 @@ def compute_prompt_logprobs(
     for start in range(0, len(target_ids), _PROMPT_LOGPROBS_CHUNK):
         end = min(start + _PROMPT_LOGPROBS_CHUNK, len(target_ids))
         nums = [num_logprobs] * (end - start)
-        result += _top_logprobs(logits[start:end], targets[start:end], nums)
+        result += top_logprobs(logits[start:end], targets[start:end], nums)
     return result
 
 
-def _top_logprobs(
+def top_logprobs(
     logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: list[int]
 ) -> list[dict[int, float]]:
     """Per row: {top num_logprobs[i] tokens, then token_ids[i]: logprob} of log_softmax(logits)."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)  # [num_rows, vocab]
     token_logprobs = logprobs.gather(-1, token_ids[:, None]).squeeze(-1)  # [num_rows]
     max_top = min(max(num_logprobs), logprobs.shape[-1])
-    top_logprobs, top_ids = logprobs.topk(max_top, dim=-1)  # [num_rows, max_top]
+    best_logprobs, best_ids = logprobs.topk(max_top, dim=-1)  # [num_rows, max_top]
     rows = zip(
         num_logprobs,
-        top_ids.tolist(),
-        top_logprobs.tolist(),
+        best_ids.tolist(),
+        best_logprobs.tolist(),
         token_ids.tolist(),
         token_logprobs.tolist(),
         strict=True,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -16,6 +17,7 @@ from llmserve.quantization.linear import default_kernel as default_quant_kernel
 from llmserve.runner import kv_cache
 from llmserve.runner.cuda_graph import CUDAGraphRunner
 from llmserve.runner.model_runner import ModelRunner
+from llmserve.spec_decode.draft_model import DraftModelProposer
 
 logger = logging.getLogger(__name__)
 
@@ -111,27 +113,31 @@ def create_runner(
     config: EngineConfig,
     max_model_len: int,
     eos_token_id: int | None,
+    drafter: tuple | None = None,
 ) -> tuple[ModelRunner, int, str]:
-    """Load the model, size and allocate the KV pool; returns (runner, num_blocks, kv log line)."""
+    """Load the model (and the speculative drafter, ``(resolved, hf_config)``), size and
+    allocate the KV pool(s); returns (runner, num_blocks, log line)."""
     device = resolve_device(config.device.device)
     dtype = resolve_dtype(config.model.dtype, device)
     backend = resolve_attention_backend(config.device.attention_backend, device, dtype)
     model = load_model(resolved, hf_config, config, max_model_len, dtype, device, backend)
-    attn = model.layers[0].self_attn
-    spec = kv_cache.KVCacheSpec(
-        num_layers=hf_config.num_hidden_layers,
-        num_kv_heads=attn.num_kv_heads,
-        head_dim=attn.head_dim,
-        dtype=dtype,
-        block_size=config.cache.block_size,
-    )
-    num_blocks = kv_cache.kv_cache_budget(config.cache, device) // spec.bytes_per_block
+    spec = _kv_spec(model, hf_config, dtype, config.cache.block_size)
+    bytes_per_block = spec.bytes_per_block
+    if drafter is not None:  # its pool has as many blocks, read through the same tables
+        draft_model = _load_drafter(drafter, config, max_model_len, dtype, device, backend)
+        draft_spec = _kv_spec(draft_model, drafter[1], dtype, config.cache.block_size)
+        bytes_per_block += draft_spec.bytes_per_block
+    num_blocks = kv_cache.kv_cache_budget(config.cache, device) // bytes_per_block
     if num_blocks < 1:
         raise ValueError(
-            f"the KV cache budget holds no block of {spec.bytes_per_block} bytes; raise --kv-cache-memory "
+            f"the KV cache budget holds no block of {bytes_per_block} bytes; raise --kv-cache-memory "
             "or --gpu-memory-utilization"
         )
     caches = kv_cache.allocate(spec, num_blocks, device)
+    proposer = None
+    if drafter is not None:
+        draft_caches = kv_cache.allocate(draft_spec, num_blocks, device)
+        proposer = DraftModelProposer(draft_model, draft_caches, spec.block_size, device, backend)
     graphs = None
     use_graphs = device.type == "cuda" and backend == "triton" and not config.device.enforce_eager
     if use_graphs and has_eager_attention(model, max_model_len):
@@ -142,11 +148,42 @@ def create_runner(
             model, caches, config.scheduler.max_num_seqs, max_model_len, spec.block_size, device
         )
         graphs.capture()
-    runner = ModelRunner(model, caches, spec.block_size, device, eos_token_id, backend, graphs)
+    runner = ModelRunner(
+        model, caches, spec.block_size, device, eos_token_id, backend, graphs, proposer
+    )
     weights = quantization.describe_weight_bytes(quantization.weight_bytes_by_dtype(model))
     info = (
         f"model {resolved.display_name} on {device} ({dtype}, attention: {backend}); "
         f"{quantization.describe_quantization(model)}{weights}; "
         + kv_cache.describe(spec, num_blocks, max_model_len)
     )
+    if proposer is not None:
+        draft = quantization.describe_weight_bytes(quantization.weight_bytes_by_dtype(draft_model))
+        info += (
+            f"; draft model {drafter[0].display_name}: "
+            f"{quantization.describe_quantization(draft_model)}{draft}, its own KV pool of "
+            f"{num_blocks} blocks ({draft_spec.bytes_per_block} B each)"
+        )
     return runner, num_blocks, info
+
+
+def _kv_spec(model, hf_config, dtype, block_size: int) -> kv_cache.KVCacheSpec:
+    attn = model.layers[0].self_attn
+    return kv_cache.KVCacheSpec(
+        num_layers=hf_config.num_hidden_layers,
+        num_kv_heads=attn.num_kv_heads,
+        head_dim=attn.head_dim,
+        dtype=dtype,
+        block_size=block_size,
+    )
+
+
+def _load_drafter(drafter, config: EngineConfig, max_model_len, dtype, device, backend):
+    """The speculative drafter: another model, or the target with the draft's quantization."""
+    resolved, hf_config = drafter
+    spec = config.speculative
+    model_options = dataclasses.replace(
+        config.model, quantization=spec.quantization, speculative_config=None
+    )
+    draft_config = dataclasses.replace(config, model=model_options)
+    return load_model(resolved, hf_config, draft_config, max_model_len, dtype, device, backend)

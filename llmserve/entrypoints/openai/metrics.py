@@ -52,8 +52,25 @@ class _EngineCollector(Collector):
             "prefix_cache_hits": ("Prompt tokens served by the prefix cache", s.num_prefix_hits),
             "num_steps": ("Engine steps (forward passes)", s.num_steps),
         }
+        spec = s.spec_decode
+        counters |= {
+            "spec_decode_num_drafts": (
+                "Speculative steps: sequences verifying drafts",
+                spec.num_drafts,
+            ),
+            "spec_decode_num_draft_tokens": ("Draft tokens proposed", spec.num_draft_tokens),
+            "spec_decode_num_accepted_tokens": ("Draft tokens accepted", spec.num_accepted_tokens),
+        }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(PREFIX + name, doc, value=value)
+        per_position = CounterMetricFamily(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in the draft (0 = first)",
+            labels=["position"],
+        )
+        for position, value in enumerate(spec.accepted_per_position):
+            per_position.add_metric([str(position)], value)
+        yield per_position
 
 
 class ServerMetrics:
