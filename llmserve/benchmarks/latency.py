@@ -26,7 +26,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("latency")
     g.add_argument("--output-len", type=int, default=256, help="tokens to decode (default: 256)")
     g.add_argument("--num-iters", type=int, default=3, help="measured runs (default: 3)")
-    g.add_argument("--dataset-seed", type=int, default=0, help="which text2sql prompt (default: 0)")
+    g.add_argument(
+        "--workload", choices=("text2sql", "chat"), default="text2sql", help="prompt kind"
+    )
+    g.add_argument("--dataset-seed", type=int, default=0, help="which prompt (default: 0)")
     g.add_argument(
         "--peer", choices=PEERS, action="append", default=[], help="also run this peer (repeatable)"
     )
@@ -117,7 +120,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     kwargs = engine_kwargs(args)
     tokenizer = get_tokenizer(kwargs.get("model"))
-    request = workloads.text2sql_requests(tokenizer, 1, args.dataset_seed, args.output_len)[0]
+    make = workloads.chat_requests if args.workload == "chat" else workloads.text2sql_requests
+    request = make(tokenizer, 1, args.dataset_seed, args.output_len)[0]
     results = [bench_llmserve(kwargs, request.prompt_token_ids, args.output_len, args.num_iters)]
     for peer in args.peer:
         try:
@@ -131,6 +135,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         except BackendUnavailable as exc:
             print(f"{peer}: skipped ({exc})")
     report = {
+        "workload": args.workload,
         "prompt_len": request.prompt_len,
         "output_len": args.output_len,
         "results": results,
@@ -149,7 +154,7 @@ def summary_text(report: dict[str, Any]) -> str:
     ]  # fmt: skip
     table = format_table(("backend", "TTFT ms", "decode tok/s", "TPOT ms", "runs tok/s"), rows)
     header = (
-        f"one request: {report['prompt_len']} prompt tokens, {report['output_len']} output tokens; "
+        f"one {report.get('workload', 'text2sql')} request: {report['prompt_len']} prompt tokens, {report['output_len']} output tokens; "
         f"{machine_text(report['machine'])}; CPU kernels: {report['machine']['cpu_kernel_isa']}"
     )
     spec = [spec_text(r) for r in report["results"] if "spec_num_drafts" in r]

@@ -109,8 +109,9 @@ class Scheduler:
         if out.num_preempted == 0 and self.waiting and self.policy.may_admit(self, budget):
             num_admitted = self._schedule_waiting(out, budget)
         self.policy.after_step(num_admitted)
-        # One query token = decode attention (query at the last position), whatever its kind.
-        out.scheduled.sort(key=lambda s: s.num_tokens != 1)
+        # One query token = decode attention (query at the last position), whatever its kind;
+        # drafts to verify run as decode rows too (runner/inputs.py).
+        out.scheduled.sort(key=lambda s: s.num_tokens != 1 and not s.num_spec_tokens)
         out.blocks_to_copy = self.block_manager.take_blocks_to_copy()
         out.finished_seq_ids, self._finished_seq_ids = self._finished_seq_ids, []
         return out

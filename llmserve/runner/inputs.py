@@ -7,6 +7,10 @@
     logits rows:   the last ``num_logits`` tokens of each chunk (1, or K + 1 to verify drafts)
 
 Chunks of one token must come first: attention treats the first ``num_decodes`` as decodes.
+A short chunk marked ``as_decodes`` (drafts to verify, a drafter's catch-up) becomes one
+decode row per token, all on the same block table: every layer writes the chunk's K/V before
+it attends, so row i, with context ``start + i + 1``, sees exactly the positions up to its
+own. The decode kernels then serve it, instead of a prefill's gather and mask per chunk.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ class Chunk:
     start: int
     block_ids: list[int]
     num_logits: int  # trailing tokens whose logits are wanted (0 mid-prompt)
+    as_decodes: bool = False  # attend as one decode row per token (place it among decodes)
 
 
 @dataclass
@@ -46,6 +51,7 @@ def build_step_inputs(
     query_start = [0]
     logits_indices: list[int] = []
     bs = block_size
+    chunks = [row for chunk in chunks for row in _rows(chunk)]
     for chunk in chunks:
         start, end, table = chunk.start, chunk.start + len(chunk.token_ids), chunk.block_ids
         input_ids.extend(chunk.token_ids)
@@ -76,6 +82,16 @@ def build_step_inputs(
         meta=meta,
         logits_indices=_tensor(logits_indices, torch.int64, device),
     )
+
+
+def _rows(chunk: Chunk) -> list[Chunk]:
+    if not chunk.as_decodes or len(chunk.token_ids) == 1:
+        return [chunk]
+    n = len(chunk.token_ids)
+    return [
+        Chunk([token], chunk.start + i, chunk.block_ids, int(i >= n - chunk.num_logits))
+        for i, token in enumerate(chunk.token_ids)
+    ]
 
 
 def _tensor(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -104,7 +104,8 @@ class ModelRunner:
             if item.num_spec_tokens:
                 tokens = tokens + drafts[seq.seq_id][0]
             num_logits = 1 + item.num_spec_tokens if item.num_samples else 0
-            chunks.append(Chunk(tokens, start, seq.block_ids, num_logits))
+            verify = item.num_spec_tokens > 0  # as decode rows: the scheduler put it among them
+            chunks.append(Chunk(tokens, start, seq.block_ids, num_logits, as_decodes=verify))
         return build_step_inputs(chunks, self.block_size, self.device, self.attention_backend)
 
     # ---- sampling -----------------------------------------------------------------------

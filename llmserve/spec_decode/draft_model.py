@@ -26,6 +26,7 @@ import torch
 from llmserve.runner.inputs import Chunk, build_step_inputs
 from llmserve.runner.sampler import SamplingRow, exponential_race, penalized_logits, sampling_probs
 
+MAX_DECODE_ROWS = 16  # a longer catch-up (a new sequence's prompt) runs as a prefill chunk
 Proposal = tuple[list[int], torch.Tensor | None]  # drafts, their q rows [K, vocab] (sampled rows)
 
 
@@ -50,14 +51,15 @@ class DraftModelProposer:
         gives the sampling row of the token after ``drafts``. Returns drafts by seq id."""
         drafts: dict[int, list[int]] = {item.seq.seq_id: [] for item in items}
         q_rows: dict[int, list[torch.Tensor]] = {item.seq.seq_id: [] for item in items}
-        # Pass 1 catches up; one-token chunks first (they are decodes to attention).
-        first = sorted(items, key=lambda item: _num_behind(item.seq) != 1)
+        # Pass 1 catches up: short catch-ups as decode rows, first; prompts as prefills.
+        first = sorted(items, key=lambda item: _num_behind(item.seq) > MAX_DECODE_ROWS)
         chunks = [
             Chunk(
                 item.seq.token_ids[item.seq.draft_num_computed_tokens :],
                 item.seq.draft_num_computed_tokens,
                 item.seq.block_ids,
                 1,
+                as_decodes=_num_behind(item.seq) <= MAX_DECODE_ROWS,
             )
             for item in first
         ]
