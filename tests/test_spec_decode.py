@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from llmserve import LLM, SamplingParams
+from llmserve.loader import default_model_path
 from llmserve.spec_decode.config import SpeculativeConfig
 from llmserve.spec_decode.ngram import propose_ngram
 from tests.conftest import NUM_TOKENS, PROMPTS, assert_no_leaks
@@ -20,6 +21,10 @@ from tests.server_process import ServerProcess
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
 SELF_DRAFT = {"method": "draft_model", "num_speculative_tokens": 3, "quantization": "gguf"}
+# The same weights named as a separate drafter: its own KV pool, caught up every step.
+SEPARATE_DRAFT = SELF_DRAFT | {"model": default_model_path()}
+CONFIGS = [NGRAM, SELF_DRAFT, SEPARATE_DRAFT]
+CONFIG_IDS = ["ngram", "self-draft-gguf", "separate-draft-gguf"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS)
 SMALL = dict(kv_cache_memory=64 << 20, max_model_len=512)
 
@@ -40,7 +45,7 @@ def test_ngram_takes_the_latest_occurrence_of_the_longest_suffix():
 
 
 # ---- greedy identity on the default model ----------------------------------------------
-@pytest.mark.parametrize("config", [NGRAM, SELF_DRAFT], ids=["ngram", "self-draft-gguf"])
+@pytest.mark.parametrize("config", CONFIGS, ids=CONFIG_IDS)
 def test_greedy_equals_transformers_alone_and_batched(config, hf_greedy_reference):
     llm = LLM(speculative_config=config, **SMALL)
     alone = [_token_ids(llm.generate([p], GREEDY, use_tqdm=False))[0] for p in PROMPTS[:4]]
@@ -58,11 +63,11 @@ def test_greedy_equals_transformers_alone_and_batched(config, hf_greedy_referenc
     assert_no_leaks(llm)
 
 
-@pytest.mark.parametrize("config", [NGRAM, SELF_DRAFT], ids=["ngram", "self-draft-gguf"])
+@pytest.mark.parametrize("config", CONFIGS, ids=CONFIG_IDS)
 def test_greedy_under_preemption(config, hf_greedy_reference):
     # 16 blocks of 8 tokens for both pools: the longest request needs 9, so few fit at once
     # and drafted slots compete with other sequences' decodes.
-    per_block = 46080 * 8 * (2 if config["method"] == "draft_model" else 1)
+    per_block = 46080 * 8 * (2 if "model" in config else 1)  # a separate drafter: two pools
     spec = config | {"disable_by_batch_size": 64}
     llm = LLM(
         kv_cache_memory=16 * per_block, block_size=8, max_model_len=80, speculative_config=spec
@@ -141,7 +146,7 @@ PROMPT = [1, 2, 3, 1, 2, 3, 1, 2]  # repeats, so n-gram drafts exist
 TEMPERATURE = 0.9
 NUM_SAMPLES = 4000
 NUM_GENERATED = 4  # K = 2 drafts verified after the first token, then a plain decode or one more
-ALPHA = 1e-4  # significance level of each chi-square test (8 tests: 0.08% false alarms)
+ALPHA = 1e-4  # significance level of each chi-square test (12 tests: 0.12% false alarms)
 
 
 def _tiny(path, seed):
@@ -153,15 +158,20 @@ def _tiny(path, seed):
     return model
 
 
-def _exact_marginals(model) -> list[torch.Tensor]:
-    """P(t_i) after PROMPT under softmax(logits / T) for each generated position i, summing
-    over every history before it (VOCAB ** (i - 1) of them)."""
+def _exact_marginals(model, top_k: int = 0) -> list[torch.Tensor]:
+    """P(t_i) after PROMPT under softmax(logits / T) (cut to the top_k tokens if set) for each
+    generated position i, summing over every history before it (VOCAB ** (i - 1) of them)."""
     probs = []
     histories, weights = torch.tensor([PROMPT]), torch.ones(1)
     with torch.no_grad():
         for _ in range(NUM_GENERATED):
             logits = model(histories).logits[:, -1].double()  # [num_histories, vocab]
-            p = torch.softmax(logits / TEMPERATURE, dim=-1) * weights[:, None]
+            p = torch.softmax(logits / TEMPERATURE, dim=-1)
+            if top_k:
+                kth = p.topk(top_k, dim=-1).values[:, -1:]
+                p = torch.where(p >= kth, p, 0.0)
+                p = p / p.sum(-1, keepdim=True)
+            p = p * weights[:, None]
             probs.append(p.sum(0))
             histories = torch.cat(
                 [
@@ -186,8 +196,10 @@ def _chi_square_p_value(counts: torch.Tensor, expected_probs: torch.Tensor) -> f
     return float(torch.special.gammaincc(torch.tensor(dof / 2), torch.tensor(statistic / 2)))
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
-def test_sampled_tokens_follow_the_target_distribution(method, tmp_path):
+@pytest.mark.parametrize(
+    ("method", "top_k"), [("ngram", 0), ("draft_model", 0), ("draft_model", 5)]
+)
+def test_sampled_tokens_follow_the_target_distribution(method, top_k, tmp_path):
     target = _tiny(tmp_path / "target", seed=0)
     drafter = _tiny(tmp_path / "drafter", seed=1)  # a different model: q differs from p
     config = {"method": method, "num_speculative_tokens": 2, "disable_by_batch_size": 10_000}
@@ -202,6 +214,7 @@ def test_sampled_tokens_follow_the_target_distribution(method, tmp_path):
     )
     params = SamplingParams(
         temperature=TEMPERATURE,
+        top_k=top_k,
         max_tokens=NUM_GENERATED,
         ignore_eos=True,
         skip_special_tokens=False,
@@ -212,8 +225,8 @@ def test_sampled_tokens_follow_the_target_distribution(method, tmp_path):
     # Later tokens came out of verified steps, with rejections among them.
     assert stats.num_drafts >= NUM_SAMPLES // 10
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
-    exact = _exact_marginals(target)
-    wrong = _exact_marginals(drafter)
+    exact = _exact_marginals(target, top_k)
+    wrong = _exact_marginals(drafter, top_k)
     for position in range(NUM_GENERATED):
         counts = torch.bincount(tokens[:, position], minlength=VOCAB)
         assert _chi_square_p_value(counts, exact[position]) > ALPHA, position

@@ -123,10 +123,12 @@ def create_runner(
     model = load_model(resolved, hf_config, config, max_model_len, dtype, device, backend)
     spec = _kv_spec(model, hf_config, dtype, config.cache.block_size)
     bytes_per_block = spec.bytes_per_block
+    shared = drafter is not None and config.speculative.model is None  # the target, quantized
     if drafter is not None:  # its pool has as many blocks, read through the same tables
         draft_model = _load_drafter(drafter, config, max_model_len, dtype, device, backend)
         draft_spec = _kv_spec(draft_model, drafter[1], dtype, config.cache.block_size)
-        bytes_per_block += draft_spec.bytes_per_block
+        if not shared:
+            bytes_per_block += draft_spec.bytes_per_block
     num_blocks = kv_cache.kv_cache_budget(config.cache, device) // bytes_per_block
     if num_blocks < 1:
         raise ValueError(
@@ -136,8 +138,10 @@ def create_runner(
     caches = kv_cache.allocate(spec, num_blocks, device)
     proposer = None
     if drafter is not None:
-        draft_caches = kv_cache.allocate(draft_spec, num_blocks, device)
-        proposer = DraftModelProposer(draft_model, draft_caches, spec.block_size, device, backend)
+        draft_caches = caches if shared else kv_cache.allocate(draft_spec, num_blocks, device)
+        proposer = DraftModelProposer(
+            draft_model, draft_caches, spec.block_size, device, backend, shares_target_kv=shared
+        )
     graphs = None
     use_graphs = device.type == "cuda" and backend == "triton" and not config.device.enforce_eager
     if use_graphs and has_eager_attention(model, max_model_len):
@@ -159,10 +163,14 @@ def create_runner(
     )
     if proposer is not None:
         draft = quantization.describe_weight_bytes(quantization.weight_bytes_by_dtype(draft_model))
+        pool = (
+            "the target's KV pool"
+            if shared
+            else f"its own KV pool of {num_blocks} blocks ({draft_spec.bytes_per_block} B each)"
+        )
         info += (
             f"; draft model {drafter[0].display_name}: "
-            f"{quantization.describe_quantization(draft_model)}{draft}, its own KV pool of "
-            f"{num_blocks} blocks ({draft_spec.bytes_per_block} B each)"
+            f"{quantization.describe_quantization(draft_model)}{draft}, {pool}"
         )
     return runner, num_blocks, info
 

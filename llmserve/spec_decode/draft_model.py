@@ -1,16 +1,22 @@
-"""A draft model proposing K tokens per speculating sequence, with its own paged KV pool.
+"""A draft model proposing K tokens per speculating sequence, on paged KV blocks.
 
-The drafter's pool has as many blocks as the target's, with the same block size, and is read
-and written through the *target's* block tables: position p of a sequence lives in the same
-block id in both pools. So the scheduler's block manager (allocation, copy-on-write, prefix
-caching, preemption) serves both models, and the rollback after a rejection is the target's.
-
-Per step, for the speculating sequences only:
+A separate drafter (``"model": PATH``) has its own pool with as many blocks as the target's,
+read and written through the *target's* block tables: position p of a sequence lives in the
+same block id in both pools. So the scheduler's block manager (allocation, copy-on-write,
+prefix caching, preemption) serves both models, and the rollback after a rejection is the
+target's. Per step, for the speculating sequences only:
 
     pass 1      catch up: the tokens the drafter has not computed yet
                 (``seq.draft_num_computed_tokens`` .. the last token), for a new sequence its
                 whole prompt; the logits at the last token give d1
     pass 2..K   one token each: d_{j} in, d_{j+1} out
+
+The target drafting for itself (no ``model``, its own weights quantized) has the same KV
+layout, so it *shares* the target's pool: it reads the target's K/V of every computed
+position (no catch-up, no second pool) and writes its own only at the last token and the
+draft positions, slots the target's verification overwrites in every layer before it reads
+them. Those slots lie past ``num_computed_tokens``, in blocks the sequence owns (the
+scheduler copied a shared one on write), and never in the prefix cache.
 
 A drafted token is drawn like the target would draw it (same logit bias, penalties over the
 output and the drafts so far, temperature, top-k/top-p/min-p; argmax for greedy rows), and for
@@ -38,9 +44,11 @@ class DraftModelProposer:
         block_size: int,
         device: torch.device,
         attention_backend: str,
+        shares_target_kv: bool = False,
     ):
         self.model = model
         self.kv_caches = kv_caches
+        self.shares_target_kv = shares_target_kv
         self.block_size = block_size
         self.device = device
         self.attention_backend = attention_backend
@@ -52,17 +60,15 @@ class DraftModelProposer:
         drafts: dict[int, list[int]] = {item.seq.seq_id: [] for item in items}
         q_rows: dict[int, list[torch.Tensor]] = {item.seq.seq_id: [] for item in items}
         # Pass 1 catches up: short catch-ups as decode rows, first; prompts as prefills.
-        first = sorted(items, key=lambda item: _num_behind(item.seq) > MAX_DECODE_ROWS)
-        chunks = [
-            Chunk(
-                item.seq.token_ids[item.seq.draft_num_computed_tokens :],
-                item.seq.draft_num_computed_tokens,
-                item.seq.block_ids,
-                1,
-                as_decodes=_num_behind(item.seq) <= MAX_DECODE_ROWS,
-            )
-            for item in first
-        ]
+        starts = {item.seq.seq_id: self._start(item.seq) for item in items}
+        first = sorted(
+            items, key=lambda it: it.seq.num_tokens - starts[it.seq.seq_id] > MAX_DECODE_ROWS
+        )
+        chunks = []
+        for item in first:
+            seq, start = item.seq, starts[item.seq.seq_id]
+            short = seq.num_tokens - start <= MAX_DECODE_ROWS
+            chunks.append(Chunk(seq.token_ids[start:], start, seq.block_ids, 1, as_decodes=short))
         self._step(first, chunks, drafts, q_rows, make_row)
         for j in range(1, max(item.num_spec_tokens for item in items)):
             active = [item for item in items if item.num_spec_tokens > j]
@@ -75,6 +81,10 @@ class DraftModelProposer:
             seq_id: (tokens, torch.stack(q_rows[seq_id]) if q_rows[seq_id] else None)
             for seq_id, tokens in drafts.items()
         }
+
+    def _start(self, seq) -> int:
+        """First position the drafter computes: its catch-up, or just the last token."""
+        return seq.num_computed_tokens if self.shares_target_kv else seq.draft_num_computed_tokens
 
     def _step(self, items, chunks, drafts, q_rows, make_row) -> None:
         inputs = build_step_inputs(chunks, self.block_size, self.device, self.attention_backend)
@@ -103,10 +113,6 @@ def draw(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list
         for k, i in enumerate(random_rows):
             tokens[i], probs[i] = sampled[k], p[k]
     return tokens, probs
-
-
-def _num_behind(seq) -> int:
-    return seq.num_tokens - seq.draft_num_computed_tokens
 
 
 def resolve_drafter(spec, target, target_config, max_model_len: int):
