@@ -48,6 +48,11 @@ class QuantizeOptions:
     seq_len: int = _opt(512, "Tokens per calibration sequence")
     damp_percent: float = _opt(0.01, "gptq: dampening added to H's diagonal, x mean(diag(H))")
     block_size: int = _opt(128, "gptq: columns per lazy batch update")
+    mse: bool = _opt(
+        False,
+        "rtn/gptq: shrink each group's range by a grid search minimizing |error|^2.4, as the "
+        "GPTQ reference's Quantizer(mse=True) (default: the full min/max range)",
+    )
     awq_search_samples: int = _opt(
         4, "awq: calibration sequences on which the alpha grid scores the block output"
     )

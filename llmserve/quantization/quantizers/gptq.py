@@ -54,6 +54,7 @@ def gptq_quantize(
     desc_act: bool = False,
     damp_percent: float = 0.01,
     block_size: int = 128,
+    mse: bool = False,
 ) -> QuantResult:
     """GPTQ of ``weight [N, K]`` given ``hessian [K, K]``; rows are independent, so layers
     sharing an input (q/k/v, gate/up) may be passed stacked along N."""
@@ -69,7 +70,7 @@ def gptq_quantize(
     g = k if group_size == -1 else group_size
     with single_thread():  # many small ops: 20x faster than waking threads on a busy CPU
         u = inverse_hessian_factor(h, damp_percent)  # [K, K] upper
-        codes, scales, zeros = _quantize_columns(w, u, bits, g, sym, block_size)
+        codes, scales, zeros = _quantize_columns(w, u, bits, g, sym, block_size, mse)
     g_idx = torch.arange(k) // g
     if perm is not None:
         inverse = torch.argsort(perm)
@@ -107,7 +108,7 @@ def inverse_hessian_factor(h: torch.Tensor, damp_percent: float) -> torch.Tensor
     )
 
 
-def _quantize_columns(w, u, bits, group_size, sym, block_size):
+def _quantize_columns(w, u, bits, group_size, sym, block_size, mse=False):
     """The column loop: codes ``[N, K]``, scales and zeros ``[N, K / G]`` (column order of w)."""
     n, k = w.shape
     codes = torch.zeros(n, k)
@@ -122,7 +123,7 @@ def _quantize_columns(w, u, bits, group_size, sym, block_size):
             col = i1 + i
             if col % group_size == 0:
                 group = torch.cat([w1[:, i:], w[:, i2:]], dim=1)[:, :group_size]  # [N, G]
-                scale, zero = group_params(group, bits, sym)
+                scale, zero = group_params(group, bits, sym, mse=mse)
                 scales[:, col // group_size], zeros[:, col // group_size] = scale, zero
             q = quantize_values(w1[:, i], scale, zero, bits)  # [N]
             codes[:, col] = q

@@ -49,9 +49,13 @@ class QuantResult:
 
 
 def group_params(
-    w: torch.Tensor, bits: int, sym: bool, style: Style = "gptq"
+    w: torch.Tensor, bits: int, sym: bool, style: Style = "gptq", mse: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``w [N, C]`` (one group's columns) -> (scale, zero) float32 ``[N]`` each."""
+    """``w [N, C]`` (one group's columns) -> (scale, zero) float32 ``[N]`` each; with ``mse``
+    the range is shrunk, per row, to the factor in 1.00, 0.99 .. 0.81 with the least
+    sum |w - dequantized|^2.4 (the GPTQ reference's search)."""
+    if mse:
+        return _mse_group_params(w, bits, sym)
     maxq = 2**bits - 1
     if style == "awq":
         xmin, xmax = w.amin(dim=1), w.amax(dim=1)
@@ -69,6 +73,28 @@ def group_params(
     return scale, torch.round(-xmin / scale).clamp(1, maxq)
 
 
+MSE_SHRINKS = [1.0 - i / 100 for i in range(20)]
+MSE_NORM = 2.4
+
+
+def _mse_group_params(w: torch.Tensor, bits: int, sym: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    best_scale, best_zero = group_params(w, bits, sym)
+    best_err = _group_error(w, best_scale, best_zero, bits)
+    for shrink in MSE_SHRINKS[1:]:
+        scale, zero = group_params(w * shrink, bits, sym)
+        err = _group_error(w, scale, zero, bits)
+        better = err < best_err
+        best_scale = torch.where(better, scale, best_scale)
+        best_zero = torch.where(better, zero, best_zero)
+        best_err = torch.minimum(err, best_err)
+    return best_scale, best_zero
+
+
+def _group_error(w, scale, zero, bits) -> torch.Tensor:
+    q = quantize_values(w, scale, zero, bits)
+    return (scale[:, None] * (q - zero[:, None]) - w).abs().pow(MSE_NORM).sum(dim=1)
+
+
 def quantize_values(
     w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int
 ) -> torch.Tensor:
@@ -79,14 +105,19 @@ def quantize_values(
 
 
 def quantize_rtn(
-    weight: torch.Tensor, bits: int, group_size: int, sym: bool, style: Style = "gptq"
+    weight: torch.Tensor,
+    bits: int,
+    group_size: int,
+    sym: bool,
+    style: Style = "gptq",
+    mse: bool = False,
 ) -> QuantResult:
     """Round every weight to the nearest level of its group's grid (no calibration)."""
     w = weight.float()  # [N, K]
     n, k = w.shape
     g = k if group_size == -1 else group_size
     grouped = w.reshape(n * (k // g), g)  # [N * num_groups, G]
-    scale, zero = group_params(grouped, bits, sym, style)
+    scale, zero = group_params(grouped, bits, sym, style, mse)
     codes = quantize_values(grouped, scale, zero, bits)
     return QuantResult(
         codes=codes.reshape(n, k).to(torch.uint8),
