@@ -129,7 +129,32 @@ class DeviceConfig:
     enforce_eager: bool = _opt(False, "Disable CUDA graphs for decode")
 
 
-CONFIG_CLASSES = (ModelConfig, CacheConfig, SchedulerConfig, DeviceConfig)
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How many processes and machines run the model (llmserve/distributed/, docs/distributed.md)."""
+
+    tensor_parallel_size: int = _opt(
+        1,
+        "Split every layer over N ranks (Megatron-style: heads, MLP columns and the "
+        "vocabulary sharded; gloo on CPU, NCCL on CUDA); each rank holds 1/N of the weights "
+        "and of the KV cache",
+    )
+    data_parallel_size: int = _opt(
+        1, "serve: run N engine replicas (Ray actors) behind one endpoint"
+    )
+    distributed_executor_backend: str | None = _opt(
+        None,
+        "mp: tensor-parallel workers are local processes (or torchrun's); ray: data-parallel "
+        "replicas are Ray actors; default: ray when --data-parallel-size > 1, else mp",
+        ("mp", "ray"),
+    )
+    ray_address: str | None = _opt(
+        None, "Ray cluster to join (host:port or ray://host:port); default: start a local one"
+    )
+
+
+CONFIG_CLASSES = (ModelConfig, CacheConfig, SchedulerConfig, DeviceConfig, ParallelConfig)
+PARTS = ("model", "cache", "scheduler", "device", "parallel")  # EngineConfig fields
 
 
 @dataclass(frozen=True)
@@ -140,6 +165,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     @property
     def speculative(self):
@@ -153,7 +179,7 @@ class EngineConfig:
         """Route flat keywords (``max_model_len=...``) to the dataclass that owns each one."""
         parts: dict[str, dict[str, Any]] = {}
         unknown = set(kwargs)
-        for part, klass in zip(("model", "cache", "scheduler", "device"), CONFIG_CLASSES):
+        for part, klass in zip(PARTS, CONFIG_CLASSES):
             names = {f.name for f in dataclasses.fields(klass)}
             parts[part] = {k: v for k, v in kwargs.items() if k in names}
             unknown -= names
@@ -165,7 +191,7 @@ class EngineConfig:
         return config
 
     def validate(self) -> None:
-        for klass_cfg in (self.model, self.cache, self.scheduler, self.device):
+        for klass_cfg in (getattr(self, part) for part in PARTS):
             for f in dataclasses.fields(klass_cfg):
                 choices = f.metadata.get("choices")
                 value = getattr(klass_cfg, f.name)
@@ -186,3 +212,6 @@ class EngineConfig:
         SpeculativeConfig.parse(self.model.speculative_config)  # fails before any work
         if not 0.0 < self.cache.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        from llmserve.distributed.plan import validate_parallel
+
+        validate_parallel(self)  # sizes, backend; shape checks need the model (plan.py)

@@ -45,6 +45,10 @@ class EngineStepError(RuntimeError):
     """A forward step failed while this request was in flight."""
 
 
+class ReplicaDiedError(RuntimeError):
+    """A data-parallel replica died while this request was in flight (it is being restarted)."""
+
+
 @dataclass(frozen=True)
 class EngineSnapshot:
     """Counters and gauges, copied by the engine thread after every step."""

@@ -48,6 +48,11 @@ class LLMEngine:
         from llmserve.runner.worker import create_runner
         from llmserve.tokenizer import get_tokenizer
 
+        if config.parallel.data_parallel_size > 1:
+            raise ValueError(
+                "data_parallel_size > 1 runs engine replicas behind `llmserve serve` "
+                "(llmserve/distributed/data_parallel.py); one engine takes 1"
+            )
         self.config = config
         self.resolved = resolve_model(config.model.model)
         self.hf_config = load_config(self.resolved)
@@ -65,6 +70,8 @@ class LLMEngine:
             drafter = resolve_drafter(
                 self.speculative, self.resolved, self.hf_config, self.max_model_len
             )
+        if config.parallel.tensor_parallel_size > 1:  # rank 0 of N (llmserve/distributed/)
+            from llmserve.distributed.executor import create_tp_runner as create_runner
         self.runner, num_blocks, info = create_runner(
             self.resolved, self.hf_config, config, self.max_model_len, self.eos_token_id, drafter
         )

@@ -17,7 +17,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from llmserve.engine.async_engine import EngineClosedError, EngineOverloadedError
+from llmserve.engine.async_engine import (
+    EngineClosedError,
+    EngineOverloadedError,
+    ReplicaDiedError,
+)
 from llmserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -80,6 +84,10 @@ def error_from_exception(e: Exception) -> OpenAIError:
         )
     if isinstance(e, EngineClosedError):
         return OpenAIError(str(e), 503, code="shutting_down")
+    if isinstance(e, ReplicaDiedError):
+        return OpenAIError(
+            str(e), 503, code="replica_unavailable", headers={"Retry-After": str(RETRY_AFTER_S)}
+        )
     logger.exception("unexpected error", exc_info=e)
     return OpenAIError(f"internal error: {type(e).__name__}", 500)
 

@@ -55,6 +55,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def run_server(args: argparse.Namespace) -> int:
     """Load the model, then serve until SIGINT / SIGTERM."""
+    from llmserve.config import EngineConfig
     from llmserve.engine.async_engine import AsyncLLMEngine
     from llmserve.engine.llm_engine import LLMEngine
     from llmserve.entrypoints.openai.api_server import build_app
@@ -68,8 +69,15 @@ def run_server(args: argparse.Namespace) -> int:
         kwargs["model"] = args.model_tag
     if args.max_num_waiting < 1:
         raise ValueError(f"--max-num-waiting must be >= 1, got {args.max_num_waiting}")
-    engine = LLMEngine.from_kwargs(**kwargs)
-    async_engine = AsyncLLMEngine(engine, max_num_waiting=args.max_num_waiting)
+    config = EngineConfig.from_kwargs(**kwargs)
+    if config.parallel.data_parallel_size > 1:  # N replicas on Ray (llmserve/distributed/)
+        from llmserve.distributed.data_parallel import DataParallelEngine
+
+        async_engine = DataParallelEngine(config, max_num_waiting=args.max_num_waiting)
+        engine = async_engine.engine
+    else:
+        engine = LLMEngine(config)
+        async_engine = AsyncLLMEngine(engine, max_num_waiting=args.max_num_waiting)
     app = build_app(async_engine, api_key=args.api_key)
     config = uvicorn.Config(
         app,

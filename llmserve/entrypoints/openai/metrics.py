@@ -71,6 +71,20 @@ class _EngineCollector(Collector):
         for position, value in enumerate(spec.accepted_per_position):
             per_position.add_metric([str(position)], value)
         yield per_position
+        replica_metrics = getattr(self.engine, "replica_metrics", None)  # data parallel
+        if replica_metrics is not None:
+            yield from _replica_families(replica_metrics())
+
+
+def _replica_families(rows: list[tuple[str, str, str, dict[str, str], float]]) -> Iterator[Metric]:
+    """One labelled family per name from (kind, name, help, labels, value) rows."""
+    families: dict[str, Metric] = {}
+    for kind, name, doc, labels, value in rows:
+        if name not in families:
+            family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+            families[name] = family(PREFIX + name, doc, labels=list(labels))
+        families[name].add_metric(list(labels.values()), value)
+    yield from families.values()
 
 
 class ServerMetrics:

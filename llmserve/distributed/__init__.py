@@ -1,0 +1,14 @@
+"""Beyond one process: tensor parallelism (torch.distributed) and data-parallel replicas (Ray).
+
+    plan.py            which heads / MLP columns / vocabulary rows each rank holds; the checks
+                       that refuse a split (a size that does not divide the heads or the MLP)
+    layers.py          the pass that makes a plain Llama-family model tensor-parallel
+                       (vocabulary-parallel embedding and LM head, all-reduce after o/down)
+    process_group.py   gloo on CPU, NCCL on CUDA; torchrun's RANK / WORLD_SIZE / MASTER_ADDR
+    executor.py        rank 0 keeps the scheduler and the sampler; ranks 1..N-1 (spawned, or
+                       torchrun's) mirror its model calls from a small per-call message
+    data_parallel.py   ``llmserve serve --data-parallel-size N``: N engine replicas as Ray
+                       actors behind one endpoint, a longest-prefix router, restarts
+
+How to run across machines, and what N devices buy: docs/distributed.md.
+"""

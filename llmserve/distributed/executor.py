@@ -1,0 +1,387 @@
+"""Tensor-parallel execution: rank 0 runs the engine, ranks 1..N-1 mirror its model calls.
+
+    engine process (rank 0)                         worker process (rank r)
+    -----------------------                         -----------------------
+    ModelRunner.execute(sched)                      loop:
+      model(ids, positions, meta)  --"forward"-->     model(ids, positions, meta)
+         all-reduces, per layer    <---gloo/nccl-->      all-reduces, per layer
+      model.compute_logits(rows)   --"logits"--->     model.compute_logits(rows)
+         all-gather of the vocab   <------------->       all-gather of the vocab
+      sampler (rank 0 only)
+
+The scheduler, the sampler and the outputs stay in rank 0; a step costs the workers one small
+message (token ids, positions, block tables, slots) per model call. Workers are spawned here
+(torch.multiprocessing) or, under torchrun, are the ranks > 0 of the same command.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import signal
+import threading
+import time
+import traceback
+import weakref
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from llmserve.config import EngineConfig
+from llmserve.distributed import process_group as pg
+from llmserve.distributed.layers import apply_tensor_parallel
+from llmserve.distributed.plan import (
+    TensorParallelPlan,
+    check_devices,
+    local_config,
+    make_plan,
+    shard_weights,
+)
+from llmserve.layers.cpu_linear import can_pack, pack_linear_layers
+from llmserve.layers.paged_attention_torch import build_plan
+from llmserve.loader import ResolvedModel, iter_weights
+from llmserve.models.registry import get_model_class
+from llmserve.quantization import loading as quantization
+from llmserve.quantization.linear import default_kernel as default_quant_kernel
+from llmserve.runner import kv_cache
+from llmserve.runner.model_runner import ModelRunner
+from llmserve.runner.worker import resolve_attention_backend, resolve_device, resolve_dtype
+
+logger = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 600.0  # a worker reading a large checkpoint
+
+
+def create_tp_runner(
+    resolved: ResolvedModel,
+    hf_config,
+    config: EngineConfig,
+    max_model_len: int,
+    eos_token_id: int | None,
+    drafter: tuple | None = None,
+) -> tuple[TensorParallelRunner, int, str]:
+    """``runner/worker.create_runner`` for ``tensor_parallel_size > 1``: check the split and
+    the devices, start the workers, load rank 0's shard; returns (runner, num_blocks, info)."""
+    assert drafter is None, "EngineConfig.validate refuses speculative decoding with TP"
+    size = config.parallel.tensor_parallel_size
+    plan = make_plan(hf_config, size)
+    device = resolve_device(config.device.device)
+    device_type = device.type
+    dtype = resolve_dtype(config.model.dtype, device)
+    method = quantization.resolve_quantization(config.model.quantization, resolved, device, dtype)
+    if method in quantization.CHECKPOINT_METHODS:  # a GPTQ/AWQ checkpoint declares its own
+        raise ValueError(
+            f"{method} (quantized checkpoint tensors) is not supported with "
+            "--tensor-parallel-size > 1; runtime methods (int8, llm_int8, nf4, fp4) are"
+        )
+    info = pg.torchrun_rank_info()
+    if info is not None and info.world_size != size:
+        raise ValueError(
+            f"torchrun started {info.world_size} processes but --tensor-parallel-size is {size}"
+        )
+    if dist.is_initialized():
+        raise ValueError(
+            "this process already belongs to a torch.distributed group (another tensor-parallel "
+            "engine?); drop that engine (del llm) or call its runner.shutdown() first"
+        )
+    is_spawned = info is None
+    if is_spawned:
+        info = pg.RankInfo(0, size, 0, size, "127.0.0.1", pg.free_port())
+    check_devices(size, device_type, info.local_world_size)
+    args = (resolved, hf_config, config, max_model_len, eos_token_id, plan, device_type)
+    if not info.is_driver:  # a torchrun rank > 0: serve rank 0 until it stops, then exit
+        run_worker(info, *args)
+        raise SystemExit(0)
+    workers = WorkerSet(info, args) if is_spawned else None
+    group = _join_watching(info, device_type, workers)
+    runner, num_blocks, text = build_rank_runner(info, group, *args)
+    if workers is not None:
+        workers.wait_ready()
+    return TensorParallelRunner(runner, group, workers), num_blocks, text
+
+
+def build_rank_runner(
+    info: pg.RankInfo,
+    group,
+    resolved: ResolvedModel,
+    hf_config,
+    config: EngineConfig,
+    max_model_len: int,
+    eos_token_id: int | None,
+    plan: TensorParallelPlan,
+    device_type: str,
+) -> tuple[ModelRunner, int, str]:
+    """This rank's shard of the model and of the KV pool (as many blocks as every rank)."""
+    pg.split_cpu_threads(info)
+    device = pg.rank_device(device_type, info)
+    dtype = resolve_dtype(config.model.dtype, device)
+    backend = resolve_attention_backend(config.device.attention_backend, device, dtype)
+    shard = plan.shards[info.rank]
+    model = _load_shard(resolved, hf_config, config, max_model_len, shard, dtype, device, backend)
+    apply_tensor_parallel(model, shard, hf_config.vocab_size, plan.world_size)
+    if can_pack(device, dtype):
+        pack_linear_layers(model, batch_size_hint=config.scheduler.max_num_seqs)
+    attn = model.layers[0].self_attn
+    spec = kv_cache.KVCacheSpec(
+        hf_config.num_hidden_layers,
+        plan.max_kv_heads,
+        attn.head_dim,
+        dtype,
+        config.cache.block_size,
+    )
+    num_blocks = torch.tensor(
+        [kv_cache.kv_cache_budget(config.cache, device) // spec.bytes_per_block]
+    )
+    dist.all_reduce(num_blocks, op=dist.ReduceOp.MIN, group=group)  # budgets differ per GPU
+    num_blocks = int(num_blocks.item())
+    if num_blocks < 1:
+        raise ValueError(
+            f"the KV cache budget holds no block of {spec.bytes_per_block} bytes on some rank; "
+            "raise --kv-cache-memory or --gpu-memory-utilization"
+        )
+    local_spec = dataclasses.replace(spec, num_kv_heads=attn.num_kv_heads)
+    caches = kv_cache.allocate(local_spec, num_blocks, device)
+    runner = ModelRunner(model, caches, spec.block_size, device, eos_token_id, backend)
+    weights = quantization.describe_weight_bytes(quantization.weight_bytes_by_dtype(model))
+    text = (
+        f"model {resolved.display_name}, tensor parallel {plan.world_size} on {device_type} "
+        f"({dtype}, attention: {backend}); rank {info.rank} holds q heads {shard.q_heads}, KV "
+        f"heads {shard.kv_heads}, MLP columns {shard.intermediate}, vocab rows {shard.vocab}, "
+        f"{weights}; " + kv_cache.describe(local_spec, num_blocks, max_model_len) + " (per rank)"
+    )
+    return runner, num_blocks, text
+
+
+def _load_shard(resolved, hf_config, config, max_model_len, shard, dtype, device, backend):
+    """Build the rank's smaller model and fill it slice by slice from the checkpoint."""
+    torch.manual_seed(config.model.seed)
+    with torch.device(device):
+        model = get_model_class(hf_config)(local_config(hf_config, shard), max_model_len, backend)
+    if config.model.load_format == "dummy":
+        for param in model.parameters():
+            torch.nn.init.normal_(param.data, std=0.02)
+    else:
+        model.load_weights(shard_weights(iter_weights(resolved), shard))
+    model = model.to(dtype=dtype).eval()
+    method = config.model.quantization  # a runtime method: validate_parallel refused the rest
+    if method is not None:
+        kernel = default_quant_kernel(device, config.model.quantized_activations)
+        quantization.check_runtime_shapes(model, method)
+        options = {
+            "llm_int8_threshold": config.model.llm_int8_threshold,
+            "nf4_double_quant": config.model.nf4_double_quant,
+        }
+        quantization.quantize_model(model, method, options, kernel)  # each rank its shard
+        quantization.set_output_dtype(model, dtype)
+    return model
+
+
+def _join_watching(info: pg.RankInfo, device_type: str, workers: WorkerSet | None):
+    """Join the group; while waiting for the others, fail fast if a spawned worker dies."""
+    result: dict[str, Any] = {}
+
+    def join() -> None:
+        try:
+            result["group"] = pg.init_process_group(info, device_type)
+        except BaseException as e:
+            result["error"] = e
+
+    thread = threading.Thread(target=join, daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.2)
+        if workers is not None:
+            workers.check_started()
+    if "error" in result:
+        raise result["error"]
+    return result["group"]
+
+
+# ---- rank 0 ---------------------------------------------------------------------------------
+class DriverModel:
+    """Rank 0's model: each call is first announced to the workers, then run here."""
+
+    def __init__(self, model: torch.nn.Module, group) -> None:
+        self.model = model
+        self.group = group
+
+    def __call__(self, input_ids, positions, kv_caches, meta):
+        plan_free = dataclasses.replace(meta, plan=None)
+        broadcast(
+            ("forward", _to_cpu(input_ids), _to_cpu(positions), _meta_to(plan_free, "cpu")),
+            self.group,
+        )
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        broadcast(("logits", _to_cpu(hidden)), self.group)
+        return self.model.compute_logits(hidden)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+
+class TensorParallelRunner:
+    """The engine's runner under tensor parallelism: a ``ModelRunner`` whose model calls are
+    mirrored on the workers. ``shutdown`` (or garbage collection, or exit) stops them."""
+
+    def __init__(self, runner: ModelRunner, group, workers: WorkerSet | None) -> None:
+        self.runner = runner
+        self.group = group
+        self.workers = workers
+        runner.model = DriverModel(runner.model, group)
+        self._finalizer = weakref.finalize(self, _stop_workers, group, workers)
+
+    def execute(self, sched):
+        if self.workers is not None:
+            self.workers.check_alive()
+        if sched.blocks_to_copy:
+            broadcast(("copy_blocks", list(sched.blocks_to_copy)), self.group)
+        return self.runner.execute(sched)
+
+    def shutdown(self) -> None:
+        """Stop the workers and leave the process group (a new engine may form another)."""
+        self._finalizer()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.runner, name)
+
+
+def _stop_workers(group, workers: WorkerSet | None) -> None:
+    try:
+        broadcast(("stop",), group)
+    except RuntimeError:  # a worker already gone (a signal reached the whole group)
+        logger.debug("tensor-parallel workers were gone before the stop message")
+    finally:
+        if workers is not None:
+            workers.join()
+        dist.destroy_process_group()
+
+
+def broadcast(message: tuple, group) -> tuple:
+    """Rank 0 sends ``message`` to every rank; the others receive it (pass ``()``)."""
+    box = [message]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
+
+
+def _to_cpu(t: torch.Tensor) -> torch.Tensor:
+    return t if t.device.type == "cpu" else t.cpu()
+
+
+def _meta_to(meta, device):
+    tensors = {
+        f.name: getattr(meta, f.name).to(device)
+        for f in dataclasses.fields(meta)
+        if isinstance(getattr(meta, f.name), torch.Tensor)
+    }
+    return dataclasses.replace(meta, **tensors)
+
+
+# ---- ranks 1..N-1 -----------------------------------------------------------------------------
+def run_worker(info: pg.RankInfo, *args) -> None:
+    """Join the group, load this rank's shard, then mirror rank 0's model calls until "stop"."""
+    device_type = args[-1]
+    group = pg.init_process_group(info, device_type)
+    runner, _, _ = build_rank_runner(info, group, *args)
+    serve_steps(runner, group)
+    dist.destroy_process_group()
+
+
+@torch.inference_mode()
+def serve_steps(runner: ModelRunner, group) -> None:
+    model, device, caches = runner.model, runner.device, runner.kv_caches
+    native = runner.attention_backend == "cpp"
+    while True:
+        message = broadcast((), group)
+        kind = message[0]
+        if kind == "forward":
+            _, input_ids, positions, meta = message
+            meta = _meta_to(meta, device)
+            if runner.attention_backend in ("torch", "cpp"):
+                meta.plan = build_plan(meta, runner.block_size, native_decode=native)
+            model(input_ids.to(device), positions.to(device), caches, meta)
+        elif kind == "logits":
+            model.compute_logits(message[1].to(device))
+        elif kind == "copy_blocks":
+            kv_cache.copy_blocks(caches, message[1])
+        elif kind == "stop":
+            return
+
+
+def _worker_entry(info: pg.RankInfo, args: tuple, status) -> None:
+    """Spawned worker: report "ready" (or the error) to rank 0 through ``status``."""
+    logging.basicConfig(level=logging.WARNING)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C reaches the group; rank 0 stops us
+    try:
+        device_type = args[-1]
+        group = pg.init_process_group(info, device_type)
+        runner, _, _ = build_rank_runner(info, group, *args)
+        status.put((info.rank, None))
+    except BaseException:
+        status.put((info.rank, traceback.format_exc()))
+        raise
+    serve_steps(runner, group)
+    dist.destroy_process_group()
+
+
+class WorkerSet:
+    """Ranks 1..N-1 as spawned local processes (daemons: they end with the engine process)."""
+
+    def __init__(self, info: pg.RankInfo, args: tuple) -> None:
+        ctx = mp.get_context("spawn")
+        self.status = ctx.Queue()
+        self.processes = []
+        for rank in range(1, info.world_size):
+            rank_info = dataclasses.replace(info, rank=rank, local_rank=rank)
+            p = ctx.Process(
+                target=_worker_entry,
+                args=(rank_info, args, self.status),
+                daemon=True,
+                name=f"llmserve-tp-rank{rank}",
+            )
+            p.start()
+            self.processes.append(p)
+
+    def wait_ready(self) -> None:
+        pending = {p.pid for p in self.processes}
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while pending and time.monotonic() < deadline:
+            try:
+                rank, error = self.status.get(timeout=0.2)
+            except queue.Empty:
+                self.check_alive()
+                continue
+            if error is not None:
+                raise RuntimeError(f"tensor-parallel rank {rank} failed to start:\n{error}")
+            pending.discard(self.processes[rank - 1].pid)
+        if pending:
+            raise RuntimeError(f"tensor-parallel workers did not start in {START_TIMEOUT_S:.0f} s")
+
+    def check_started(self) -> None:
+        """Raise a worker's start-up error, or its death, without waiting."""
+        try:
+            rank, error = self.status.get_nowait()
+        except queue.Empty:
+            self.check_alive()
+            return
+        if error is not None:
+            raise RuntimeError(f"tensor-parallel rank {rank} failed to start:\n{error}")
+        self.status.put((rank, None))  # a "ready": leave it for wait_ready
+
+    def check_alive(self) -> None:
+        for rank, p in enumerate(self.processes, start=1):
+            if not p.is_alive():
+                raise RuntimeError(
+                    f"tensor-parallel worker rank {rank} (pid {p.pid}) died with exit code "
+                    f"{p.exitcode}; restart the engine"
+                )
+
+    def join(self, timeout: float = 10.0) -> None:
+        for p in self.processes:
+            p.join(timeout)
+            if p.is_alive():
+                p.terminate()

@@ -1,0 +1,74 @@
+"""Tensor parallelism applied to a plain Llama-family model, as a pass after construction.
+
+The model is built from ``plan.local_config`` (this rank's heads, MLP columns and vocabulary
+rows), so its ``nn.Linear`` layers already have the local shapes:
+
+    qkv_proj, gate_up_proj   column-parallel: local output rows, no communication
+    o_proj, down_proj        row-parallel: local input columns; the block's output is summed
+                             over ranks (an all-reduce hooked on ``self_attn`` and ``mlp``, so
+                             oneDNN packing, which swaps the linears, keeps it)
+    embed_tokens             vocabulary-parallel: rows outside the shard give 0, then all-reduce
+    lm_head                  vocabulary-parallel: local logits, all-gathered to the full vocab
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+
+from llmserve.distributed.plan import RankShard
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows ``vocab[0]..vocab[1]`` of the table (padded to ``vocab_per_rank``)."""
+
+    def __init__(self, weight: nn.Parameter, shard: RankShard):
+        super().__init__()
+        self.weight = weight  # [vocab_per_rank, hidden]
+        self.start, self.end = shard.vocab
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        is_local = (input_ids >= self.start) & (input_ids < self.end)  # [T]
+        local_ids = torch.where(is_local, input_ids - self.start, 0)
+        x = F.embedding(local_ids, self.weight) * is_local.unsqueeze(-1)  # [T, hidden]
+        dist.all_reduce(x)
+        return x
+
+
+class ParallelLMHead(nn.Module):
+    """Logits of this rank's vocabulary rows, gathered from every rank: ``[N, vocab]``."""
+
+    def __init__(self, weight: nn.Parameter, vocab_size: int, world_size: int):
+        super().__init__()
+        self.weight = weight  # [vocab_per_rank, hidden]
+        self.vocab_size = vocab_size
+        self.world_size = world_size
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        local = F.linear(hidden, self.weight)  # [N, vocab_per_rank]
+        parts = [torch.empty_like(local) for _ in range(self.world_size)]
+        dist.all_gather(parts, local)
+        return torch.cat(parts, dim=-1)[:, : self.vocab_size]  # [N, vocab]
+
+
+def _sum_over_ranks(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    dist.all_reduce(output)
+    return output
+
+
+def apply_tensor_parallel(
+    model: nn.Module, shard: RankShard, vocab_size: int, world_size: int
+) -> nn.Module:
+    """Make a model built from ``local_config`` compute its part and communicate the rest."""
+    for layer in model.layers:
+        attn = layer.self_attn
+        if attn.o_proj.bias is not None or getattr(layer.mlp.down_proj, "bias", None) is not None:
+            raise ValueError("tensor parallelism does not support a bias on o_proj or down_proj")
+        attn.register_forward_hook(_sum_over_ranks)
+        layer.mlp.register_forward_hook(_sum_over_ranks)
+    model.embed_tokens = VocabParallelEmbedding(model.embed_tokens.weight, shard)
+    head = model.embed_tokens.weight if model.tie_word_embeddings else model.lm_head.weight
+    model.lm_head = ParallelLMHead(head, vocab_size, world_size)
+    return model

@@ -1,0 +1,199 @@
+"""Which slice of every weight a tensor-parallel rank holds, and the checks that refuse a split.
+
+Heads are split by KV group, so that every rank's query heads read KV heads it holds:
+
+    9 q heads, 3 KV heads (groups of 3), N = 2:   rank 0: KV {0, 1}, q 0-5    rank 1: KV {2}, q 6-8
+    4 q heads, 1 KV head,  N = 2 (KV < N):        rank 0: KV {0}, q 0-1       rank 1: KV {0}, q 2-3
+
+With at least as many KV heads as ranks, the KV heads are dealt out contiguously (uneven
+counts allowed: the 2/1 above); with fewer, each KV head is replicated on N / num_kv_heads
+ranks, which needs N to be a multiple of the KV heads and the query heads to divide by N.
+MLP columns must divide evenly; the vocabulary is padded up to a multiple of N.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+TP_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+@dataclass(frozen=True)
+class RankShard:
+    """One rank's ranges, as [start, end) over heads, MLP columns and vocabulary rows."""
+
+    q_heads: tuple[int, int]
+    kv_heads: tuple[int, int]
+    intermediate: tuple[int, int]
+    vocab: tuple[int, int]  # real rows; the local table has ``vocab_per_rank`` rows (padded)
+    vocab_per_rank: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class TensorParallelPlan:
+    """The split of one model over ``world_size`` ranks (see the module docstring)."""
+
+    world_size: int
+    shards: tuple[RankShard, ...]
+
+    @property
+    def max_kv_heads(self) -> int:
+        """KV heads of the fullest rank: every rank sizes its pool by it (same block count)."""
+        return max(s.kv_heads[1] - s.kv_heads[0] for s in self.shards)
+
+
+def validate_parallel(config: Any) -> None:
+    """Checks of the parallel flags alone, before anything is loaded (``EngineConfig.validate``)."""
+    parallel = config.parallel
+    for name in ("tensor_parallel_size", "data_parallel_size"):
+        if getattr(parallel, name) < 1:
+            raise ValueError(f"{name} must be >= 1, got {getattr(parallel, name)}")
+    if parallel.data_parallel_size > 1 and parallel.distributed_executor_backend == "mp":
+        raise ValueError(
+            "data-parallel replicas run as Ray actors: use --distributed-executor-backend ray "
+            "(or leave it unset) with --data-parallel-size > 1"
+        )
+    is_data_parallel = parallel.data_parallel_size > 1
+    if parallel.distributed_executor_backend == "ray" and not is_data_parallel:
+        raise ValueError(
+            "--distributed-executor-backend ray runs data-parallel replicas: use it with "
+            "--data-parallel-size > 1 (tensor-parallel ranks are local processes or torchrun's)"
+        )
+    if parallel.ray_address is not None and not is_data_parallel:
+        raise ValueError("--ray-address is for data-parallel replicas (--data-parallel-size > 1)")
+    if parallel.tensor_parallel_size == 1:
+        return
+    if config.model.quantization in ("gguf", "gptq", "awq"):
+        raise ValueError(
+            f"--quantization {config.model.quantization} (quantized checkpoint tensors) is not "
+            "supported with --tensor-parallel-size > 1; runtime methods (int8, llm_int8, nf4, "
+            "fp4) are, each rank quantizing its own shard"
+        )
+    if config.model.speculative_config is not None:
+        raise ValueError(
+            "speculative decoding is not supported with --tensor-parallel-size > 1; drop "
+            "--speculative-config or run with --tensor-parallel-size 1"
+        )
+
+
+def make_plan(hf_config: Any, world_size: int) -> TensorParallelPlan:
+    """Split ``hf_config``'s model over ``world_size`` ranks, or say which size does not divide."""
+    arch = (getattr(hf_config, "architectures", None) or ["?"])[0]
+    if arch not in TP_ARCHITECTURES:
+        raise ValueError(
+            f"tensor parallelism supports the Llama family ({', '.join(TP_ARCHITECTURES)}); "
+            f"{arch} runs with --tensor-parallel-size 1"
+        )
+    num_heads = hf_config.num_attention_heads
+    num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+    inter, vocab, n = hf_config.intermediate_size, hf_config.vocab_size, world_size
+    if num_kv_heads < n and n % num_kv_heads:
+        raise ValueError(
+            f"tensor_parallel_size {n} cannot split the model's {num_kv_heads} KV heads: with "
+            "fewer KV heads than ranks each is replicated, so the size must be a multiple of "
+            f"{num_kv_heads} (or at most {num_kv_heads})"
+        )
+    if num_kv_heads < n and num_heads % n:
+        raise ValueError(
+            f"tensor_parallel_size {n} does not divide the model's {num_heads} attention heads "
+            f"(with {num_kv_heads} KV heads, fewer than the ranks, the query heads split evenly)"
+        )
+    if inter % n:
+        raise ValueError(
+            f"tensor_parallel_size {n} does not divide the model's intermediate size {inter} "
+            "(MLP columns are split evenly)"
+        )
+    group = num_heads // num_kv_heads
+    per_rank_vocab = -(-vocab // n)
+    shards = []
+    for rank in range(n):
+        if num_kv_heads >= n:
+            kv = _even_range(num_kv_heads, n, rank)
+            q = (kv[0] * group, kv[1] * group)
+        else:
+            kv_head = rank // (n // num_kv_heads)
+            kv = (kv_head, kv_head + 1)
+            q = (rank * num_heads // n, (rank + 1) * num_heads // n)
+        rows = (min(rank * per_rank_vocab, vocab), min((rank + 1) * per_rank_vocab, vocab))
+        span = (rank * inter // n, (rank + 1) * inter // n)
+        shards.append(RankShard(q, kv, span, rows, per_rank_vocab, head_dim))
+    return TensorParallelPlan(n, tuple(shards))
+
+
+def _even_range(total: int, n: int, rank: int) -> tuple[int, int]:
+    """Contiguous split of ``total`` items; the first ``total % n`` ranks get one more."""
+    base, extra = divmod(total, n)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (rank < extra)
+
+
+def check_devices(world_size: int, device_type: str, local_world_size: int) -> None:
+    """More ranks on this machine than devices (GPUs, or CPU cores) is refused up front."""
+    if device_type == "cuda":
+        count, what = torch.cuda.device_count(), "CUDA GPUs"
+    else:
+        count, what = usable_cpus(), "CPU cores (one rank needs at least one)"
+    if local_world_size > count:
+        raise ValueError(
+            f"tensor_parallel_size {world_size} needs {local_world_size} ranks on this machine "
+            f"but it has {count} {what}; lower --tensor-parallel-size or spread the ranks over "
+            "machines with torchrun (docs/distributed.md)"
+        )
+
+
+def usable_cpus() -> int:
+    """Cores this process may run on (its affinity mask, where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def local_config(hf_config: Any, shard: RankShard) -> Any:
+    """A copy of the config that builds exactly one rank's (smaller) model."""
+    local = copy.deepcopy(hf_config)
+    local.num_attention_heads = shard.q_heads[1] - shard.q_heads[0]
+    local.num_key_value_heads = shard.kv_heads[1] - shard.kv_heads[0]
+    local.head_dim = shard.head_dim
+    local.intermediate_size = shard.intermediate[1] - shard.intermediate[0]
+    local.vocab_size = shard.vocab_per_rank
+    return local
+
+
+def shard_weights(
+    weights: Iterator[tuple[str, torch.Tensor]], shard: RankShard
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Slice each full checkpoint tensor (Hugging Face names) to ``shard`` as it streams by;
+    the full tensor is dropped before the next one is read."""
+    d = shard.head_dim
+    q = slice(shard.q_heads[0] * d, shard.q_heads[1] * d)
+    kv = slice(shard.kv_heads[0] * d, shard.kv_heads[1] * d)
+    mlp = slice(*shard.intermediate)
+    for name, tensor in weights:
+        if ".q_proj." in name:
+            tensor = tensor[q]
+        elif ".k_proj." in name or ".v_proj." in name:
+            tensor = tensor[kv]
+        elif ".o_proj." in name:
+            tensor = tensor[:, q]
+        elif ".gate_proj." in name or ".up_proj." in name:
+            tensor = tensor[mlp]
+        elif ".down_proj." in name:
+            tensor = tensor[:, mlp]
+        elif name.endswith(("embed_tokens.weight", "lm_head.weight")):
+            tensor = _vocab_rows(tensor, shard)
+        yield name, tensor.contiguous()
+
+
+def _vocab_rows(table: torch.Tensor, shard: RankShard) -> torch.Tensor:
+    start, end = shard.vocab
+    rows = table[start:end]  # [<= vocab_per_rank, hidden]
+    pad = shard.vocab_per_rank - rows.shape[0]
+    return torch.nn.functional.pad(rows, (0, 0, 0, pad)) if pad else rows
