@@ -1,9 +1,13 @@
 """Load the tokenizer of a resolved model (from a GGUF file's metadata or an HF directory)."""
 
+import logging
+
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from llmserve.loader import ResolvedModel, resolve_model
 from llmserve.loader.gguf_loader import load_gguf_config
+
+logger = logging.getLogger(__name__)
 
 
 def get_tokenizer(
@@ -19,12 +23,12 @@ def get_tokenizer(
     (for SmolLM2: id 2, "<|im_end|>").
     """
     resolved = model if isinstance(model, ResolvedModel) else resolve_model(model)
-    tokenizer = AutoTokenizer.from_pretrained(
-        resolved.path,
-        gguf_file=resolved.gguf_file,
-        local_files_only=True,
-        trust_remote_code=trust_remote_code,
-    )
+    if resolved.kind == "gguf":
+        tokenizer = _gguf_tokenizer(resolved, trust_remote_code)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(
+            resolved.path, local_files_only=True, trust_remote_code=trust_remote_code
+        )
     if resolved.kind == "gguf":
         _set_gguf_special_tokens(tokenizer, resolved)
         if tokenizer.chat_template is None:
@@ -32,6 +36,30 @@ def get_tokenizer(
     if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def _gguf_tokenizer(resolved: ResolvedModel, trust_remote_code: bool) -> PreTrainedTokenizerBase:
+    """transformers' tokenizer of a GGUF file, or, where it builds none (architectures it has
+    no config for: gemma, gptj, gptneox, starcoder, phi2, mpt, ...), one built from the file's
+    tokenizer metadata (``loader/gguf_tokenizer.py``)."""
+    try:
+        return AutoTokenizer.from_pretrained(
+            resolved.path,
+            gguf_file=resolved.gguf_file,
+            local_files_only=True,
+            trust_remote_code=trust_remote_code,
+        )
+    except Exception as exc:  # noqa: BLE001 - any failure of transformers' conversion
+        from llmserve.loader.gguf_loader import gguf_architecture, gguf_reader
+        from llmserve.loader.gguf_tokenizer import build_gguf_tokenizer
+
+        logger.info(
+            "%s: tokenizer built from the GGUF metadata (transformers: %s)",
+            resolved.display_name,
+            exc,
+        )
+        path = resolved.weights_path
+        return build_gguf_tokenizer(gguf_reader(path), gguf_architecture(path))
 
 
 def _default_chat_template(resolved: ResolvedModel) -> str | None:

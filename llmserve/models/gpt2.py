@@ -53,3 +53,8 @@ class GPT2LMHeadModel(DecoderLM):
 
     def convert(self, hf_name: str, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.T if hf_name.endswith(_CONV1D) else tensor
+
+    def row_order(self, hf_name: str, num_rows: int) -> torch.Tensor | None:
+        """Quantized Conv1D weights come ``[out, in]`` like a Linear's (GPTQ/AWQ tools and
+        llama.cpp transpose them before packing): nothing to move."""
+        return None

@@ -174,6 +174,13 @@ class LlamaForCausalLM(nn.Module):
                 return name.replace(hf_part, ours), shard
         return name, None
 
+    def quantized_placement(
+        self, hf_name: str, num_rows: int
+    ) -> tuple[str, int | None, torch.Tensor | None]:
+        """(our parameter, shard, stored row order) of a quantized checkpoint weight."""
+        target, shard = self.checkpoint_target(hf_name.removeprefix("model."))
+        return target, shard, self.shard_row_order(target, shard, num_rows)
+
     def _copy_shard(
         self, param: nn.Parameter, tensor: torch.Tensor, shard: int | None, name: str
     ) -> None:

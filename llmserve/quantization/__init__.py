@@ -23,8 +23,14 @@ Embeddings and the LM head stay in floating point for every method except ``gguf
 keeps the file's token table quantized and multiplies the tied LM head by the same blocks, as
 llama.cpp does.
 
+The checkpoint methods (gguf, gptq, awq) install into every model family: each model's
+``quantized_placement`` maps a checkpoint weight to its layer through the family's own names
+(fused q/k/v and gate/up parts, per-head qkv rows, GPT-2's Conv1D packed as a Linear). Stacked
+mixture-of-experts weights stay float; a quantized expert is refused, naming the family.
+
 Own post-training quantizers (``quantizers/``: RTN, GPTQ, AWQ; ``llmserve quantize``) write
-GPTQ / AWQ checkpoints that the ``gptq`` / ``awq`` rows above load.
+GPTQ / AWQ checkpoints that the ``gptq`` / ``awq`` rows above load: rtn and gptq for every
+family, awq for Llama-shaped layers.
 """
 
 

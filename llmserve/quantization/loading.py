@@ -24,7 +24,7 @@ from llmserve.quantization.llm_int8 import LLMInt8Linear
 
 RUNTIME_METHODS = ("int8", "llm_int8", "nf4", "fp4")
 CHECKPOINT_METHODS = ("gguf", "gptq", "awq")
-EMBEDDING = "model.embed_tokens.weight"
+EMBEDDING = "embed_tokens.weight"  # our name of the token table, every family
 
 
 def quantize_linear(linear: nn.Linear, method: str, options: dict, kernel: str):
@@ -81,18 +81,24 @@ def install_quantized_weights(
 ) -> None:
     """Swap the model's linear layers for ``QuantLinear`` s built from checkpoint weights.
 
-    ``quantized``: Hugging Face weight name (``model.layers.0.self_attn.q_proj.weight``) ->
-    its quantized weight in HF row order; ``biases``: HF bias name -> tensor, for those layers.
+    ``quantized``: Hugging Face weight name (``model.layers.0.self_attn.q_proj.weight``,
+    ``transformer.h.0.attn.c_attn.weight``) -> its quantized weight ``[out, in]`` in HF row
+    order (a GPT-2 Conv1D's too); ``biases``: HF bias name -> tensor, for those layers. The
+    model's ``quantized_placement`` says where each goes (its own checkpoint-name mapping).
     """
     fused: dict[str, dict[int | None, QuantizedWeight]] = defaultdict(dict)
     fused_bias: dict[str, dict[int | None, torch.Tensor]] = defaultdict(dict)
+    embedding = None
     for hf_name, weight in quantized.items():
-        if hf_name == EMBEDDING:
+        target, shard, order = model.quantized_placement(hf_name, weight.shape[0])
+        if target is None:
             continue
-        target, shard = model.checkpoint_target(hf_name.removeprefix("model."))
-        module_name = target.removesuffix(".weight")
-        order = model.shard_row_order(target, shard, weight.shape[0])
         weight = weight if order is None else weight.select_rows(order)
+        if target == EMBEDDING:
+            embedding = weight
+            continue
+        module_name = target.removesuffix(".weight")
+        _check_linear(model, module_name, hf_name)
         fused[module_name][shard] = weight.to(device)
         bias = biases.get(hf_name.removesuffix(".weight") + ".bias")
         if bias is not None:
@@ -108,8 +114,16 @@ def install_quantized_weights(
         if sum(p.shape[0] for p in parts) != linear.out_features:
             raise ValueError(f"{module_name}: quantized rows do not match the model's layer")
         model.set_submodule(module_name, QuantLinear(parts, bias, kernel=kernel, method=method))
-    if EMBEDDING in quantized:
-        _install_embedding(model, quantized[EMBEDDING].to(device), kernel, method)
+    if embedding is not None:  # last: a tied LM head then multiplies by the same blocks
+        _install_embedding(model, embedding.to(device), kernel, method)
+
+
+def _check_linear(model: nn.Module, module_name: str, hf_name: str) -> None:
+    if not isinstance(model.get_submodule(module_name), nn.Linear):
+        raise ValueError(
+            f"{hf_name} is quantized in the checkpoint, but {type(model).__name__}.{module_name} "
+            "is not a linear layer; llmserve computes on quantized linear weights only"
+        )
 
 
 def _shard_key(shard: int | None) -> int:

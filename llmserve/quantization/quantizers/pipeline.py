@@ -2,6 +2,7 @@
 
 check options, output dir, architecture, every layer's shape, the calibration text
 load the float model (HF directory or GGUF, float32)
+other families than Llama-shaped ones: rtn as below; gptq by replay (replay.py); awq refused
 h = embed(calibration tokens)                                 [S, T, hidden]
 for each decoder layer (progress bar with ETA):
     rtn:  round every linear                                   (no calibration)
@@ -30,11 +31,17 @@ from llmserve.quantization.quantizers.decoder_stages import (
     rotary_tables,
 )
 from llmserve.quantization.quantizers.gptq import HessianAccumulator, gptq_quantize
+from llmserve.quantization.quantizers.replay import gptq_by_replay
 from llmserve.quantization.quantizers.rtn import QuantResult, quantize_rtn
 from llmserve.quantization.quantizers.source_model import (
+    CALIBRATED_MODEL_TYPES,
+    checkpoint_names,
+    decoder_layers,
     empty_model,
     generation_config,
+    is_conv1d,
     linear_layers,
+    linear_weight,
     load_float_model,
 )
 
@@ -71,6 +78,7 @@ def quantize(model: str | None = None, output: str | None = None, **options) -> 
     resolved = resolve_model(opts.model)
     hf_config = load_config(resolved)
     get_model_class(hf_config)  # an architecture llmserve runs
+    check_calibrated_architecture(hf_config, opts.method)
     check_layer_shapes(linear_layers(empty_model(hf_config)), opts)
     tokenizer = get_tokenizer(resolved)
     tokens = None
@@ -102,14 +110,24 @@ def quantize(model: str | None = None, output: str | None = None, **options) -> 
     )
 
 
+def check_calibrated_architecture(hf_config, method: str) -> None:
+    """awq runs the decoder layers stage by stage (its scales fold into the norm and linear
+    before each group), which only Llama-shaped ones have."""
+    if method == "awq" and hf_config.model_type not in CALIBRATED_MODEL_TYPES:
+        raise ValueError(
+            f"--method awq folds its scales through Llama-shaped decoder layers "
+            f"({', '.join(CALIBRATED_MODEL_TYPES)}); {hf_config.model_type} is not one of them: "
+            "use --method gptq or rtn (every family)"
+        )
+
+
 def check_layer_shapes(linears: dict, opts: QuantizeOptions) -> None:
     """Refuse a layer the group size or the packing cannot divide, naming it."""
     g = opts.group_size
-    in_sizes = {linear.in_features for linear in linears.values()}
-    common = math.gcd(*in_sizes)
+    shapes = {name: linear_weight(linear).shape for name, linear in linears.items()}
+    common = math.gcd(*(k for _, k in shapes.values()))
     fitting = [str(s) for s in range(32, common + 1, 32) if common % s == 0]
-    for name, linear in linears.items():
-        k, n = linear.in_features, linear.out_features
+    for name, (n, k) in shapes.items():
         if k % 32:
             raise ValueError(
                 f"layer {name} has in_features {k}, not a multiple of 32 (the quantized layout "
@@ -130,7 +148,9 @@ def check_layer_shapes(linears: dict, opts: QuantizeOptions) -> None:
 
 def quantize_layers(model, tokens: torch.Tensor | None, opts: QuantizeOptions) -> dict:
     """Checkpoint prefix -> ``QuantResult`` for every decoder linear layer, in layer order."""
-    layers = model.model.layers
+    if opts.method == "gptq" and model.config.model_type not in CALIBRATED_MODEL_TYPES:
+        return gptq_by_replay(model, tokens, opts)
+    layers_prefix, layers = decoder_layers(model)
     results: dict[str, QuantResult] = {}
     h = cos = sin = None
     if tokens is not None:
@@ -139,7 +159,7 @@ def quantize_layers(model, tokens: torch.Tensor | None, opts: QuantizeOptions) -
         cos, sin = rotary_tables(model, tokens.shape[1])
     bar = tqdm(layers, desc=f"{opts.method} {opts.bits}-bit", unit="layer")
     for index, layer in enumerate(bar):
-        prefix = f"model.layers.{index}."
+        prefix = f"{layers_prefix}.{index}."
         if opts.method == "rtn":
             found = _rtn_layer(layer, opts)
         elif opts.method == "gptq":
@@ -153,12 +173,21 @@ def quantize_layers(model, tokens: torch.Tensor | None, opts: QuantizeOptions) -
 
 
 def _rtn_layer(layer, opts: QuantizeOptions) -> dict[str, QuantResult]:
-    names = [name for group in LINEAR_GROUPS for name in group]
+    """Every linear layer of any family's decoder layer, rounded (no calibration)."""
     return {
         name: quantize_rtn(
-            layer.get_submodule(name).weight, opts.bits, opts.group_size, opts.is_symmetric
+            linear_weight(linear), opts.bits, opts.group_size, opts.is_symmetric, mse=opts.mse
         )
-        for name in names
+        for name, linear in linear_layers_of(layer).items()
+    }
+
+
+def linear_layers_of(layer) -> dict:
+    """Name under ``layer`` -> each ``nn.Linear`` or Conv1D in it."""
+    return {
+        name: module
+        for name, module in layer.named_modules()
+        if isinstance(module, torch.nn.Linear) or is_conv1d(module)
     }
 
 
@@ -194,6 +223,7 @@ def _gptq_group(layer, names, inputs: torch.Tensor, opts: QuantizeOptions):
         desc_act=opts.desc_act,
         damp_percent=opts.damp_percent,
         block_size=opts.block_size,
+        mse=opts.mse,
     )
     found, start = {}, 0
     for name, linear in zip(names, linears):
@@ -216,6 +246,7 @@ def checkpoint_tensors(model, results: dict[str, QuantResult], opts: QuantizeOpt
         if name.removesuffix(".weight") in results or (tied and name == "lm_head.weight"):
             continue
         tensors[name] = tensor.detach().half().contiguous()
+    tensors = checkpoint_names(model, tensors)
     for prefix, result in results.items():
         tensors.update({f"{prefix}.{key}": value for key, value in pack(result).items()})
     return tensors
