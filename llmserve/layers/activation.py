@@ -21,7 +21,7 @@ class SiluAndMul(nn.Module):
             from llmserve.kernels import silu_and_mul
 
             return silu_and_mul(x)
-        if self.kernels == "cpp":  # float32 (resolve_attention_backend)
+        if self.kernels == "cpp":  # float32 or bfloat16 (resolve_attention_backend)
             return cpu_kernels.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

@@ -29,7 +29,7 @@ class RMSNorm(nn.Module):
             from llmserve.kernels import rms_norm
 
             return rms_norm(x, self.weight, self.eps, residual)
-        if self.kernels == "cpp":  # float32 (resolve_attention_backend)
+        if self.kernels == "cpp":  # float32 or bfloat16 (resolve_attention_backend)
             if residual is None:
                 return cpu_kernels.rms_norm(x, self.weight, self.eps)
             return cpu_kernels.fused_add_rms_norm_(x, residual, self.weight, self.eps)

@@ -150,7 +150,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward_interleaved(self, positions: torch.Tensor, qk: torch.Tensor) -> torch.Tensor:
         """Interleaved layout: ``qk: [T, (H + kvh) * D]`` (a view is fine) -> rotated, contiguous."""
-        if self.kernels == "cpp":  # float32 (resolve_attention_backend)
+        if self.kernels == "cpp":  # float32 or bfloat16 (resolve_attention_backend)
             return cpu_kernels.rotary_interleaved(qk, positions, self.cis, self.head_dim)
         num_tokens = qk.shape[0]
         pairs = qk.float().view(num_tokens, -1, self.head_dim // 2, 2)  # [T, heads, D/2, 2]

@@ -9,7 +9,7 @@ import torch
 
 from llmserve.config import EngineConfig
 from llmserve.layers.attention import has_eager_attention
-from llmserve.layers.cpu_linear import can_pack, pack_linear_layers
+from llmserve.layers.cpu_linear import can_pack, has_native_bf16, pack_linear_layers
 from llmserve.loader import ResolvedModel, iter_weights
 from llmserve.models.registry import get_model_class
 from llmserve.quantization import loading as quantization
@@ -33,17 +33,24 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """auto: bfloat16 on CUDA; float32 on CPU, also where the CPU runs bf16 natively, since
+    fp32 is exact against transformers and bf16 is not (docs/serving.md, "dtype on CPU")."""
     if name == "auto":
+        if device.type == "cpu" and has_native_bf16():
+            logger.info(
+                "this CPU runs bf16 natively: --dtype bfloat16 is faster, at a fidelity cost "
+                "(docs/serving.md); --dtype auto stays float32"
+            )
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return DTYPES[name]
 
 
 def resolve_attention_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
-    """auto: Triton on CUDA; on CPU the C++ decode kernel (fp32) when it builds, else torch."""
+    """auto: Triton on CUDA; on CPU the C++ kernels (fp32 or bf16) when they build, else torch."""
     from llmserve.kernels import cpu as cpu_kernels
     from llmserve.kernels import is_triton_available
 
-    native_ok = device.type == "cpu" and dtype == torch.float32
+    native_ok = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
     if name == "auto":
         if device.type == "cuda" and is_triton_available():
             return "triton"
@@ -54,7 +61,7 @@ def resolve_attention_backend(name: str, device: torch.device, dtype: torch.dtyp
         )
     if name == "cpp" and not native_ok:
         raise ValueError(
-            f"attention backend 'cpp' runs on the CPU in float32 (got {device.type}, {dtype}); "
+            f"attention backend 'cpp' runs on the CPU in float32 or bfloat16 (got {device.type}, {dtype}); "
             "use --attention-backend torch"
         )
     if name == "cpp" and not cpu_kernels.available():

@@ -1,35 +1,42 @@
 """Native CPU kernels (C++), compiled on first use with torch's extension builder.
 
     paged_attention.cpp   paged_decode_attention: decode attention reading K/V in place
-                          from the paged pool
+                          from the paged pool (body: paged_attention_impl.h)
     fused.cpp             rms_norm, fused_add_rms_norm_, silu_and_mul, rotary_interleaved:
-                          one pass over memory each
+                          one pass over memory each (body: fused_impl.h)
 
-All are fp32, vectorized with AVX2/FMA when the compiler targets them (-march=native), and
-threaded with torch's intra-op pool.
+All take float32 or bfloat16 tensors (bf16 is widened to fp32 in registers, accumulated in
+fp32, rounded once when stored) and are threaded with torch's intra-op pool. The library is
+built for the baseline x86-64 target; every body is compiled for AVX-512, AVX2 and plain C++
+(isa.h, vec.h) and the path is chosen at run time: the best this CPU runs, or the one named by
+``LLMSERVE_CPU_ISA`` (``avx512``, ``avx2``, ``scalar``) or ``set_isa`` (tests force each one).
 
 The build (``build.py``) takes about half a minute once per machine and is cached by torch
-(under ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``), keyed by this CPU's
-flags since it uses ``-march=native``. Without a C++ compiler, or with
-``LLMSERVE_CPU_KERNELS=0``, ``available()`` is False and callers keep their plain-torch path.
+(under ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``); one build is safe on
+any x86-64 host. Without a C++ compiler, or with ``LLMSERVE_CPU_KERNELS=0``, ``available()``
+is False and callers keep their plain-torch path.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
-from llmserve.kernels.cpu.build import NativeLibrary, cpu_flags_hash
+from llmserve.kernels.cpu.build import NativeLibrary
 
 _HERE = Path(__file__).parent
+ISAS = ("avx512", "avx2", "scalar")
+# no -march: the ISA-specific copies carry target pragmas and are chosen at run time
 LIBRARY = NativeLibrary(
     name="llmserve_cpu_kernels",
     namespace="llmserve_cpu",
     sources=[_HERE / "paged_attention.cpp", _HERE / "fused.cpp"],
-    headers=[_HERE / "vec.h"],
-    cflags=["-march=native", f"-DLLMSERVE_CPU={cpu_flags_hash()}"],
-    probe_ops=("silu_and_mul",),
+    headers=[_HERE / n for n in ("vec.h", "isa.h", "paged_attention_impl.h", "fused_impl.h")],
+    cflags=[],
+    probe_ops=("silu_and_mul", "set_isa"),
 )
 
 
@@ -43,6 +50,35 @@ def _ops():
     return LIBRARY.ops()
 
 
+def current_isa() -> str:
+    """The path the kernels take now: ``avx512``, ``avx2`` or ``scalar``."""
+    return _ops().set_isa("")
+
+
+def supported_isas() -> list[str]:
+    """Every path this CPU can run, best first."""
+    current, supported = current_isa(), []
+    for isa in ISAS:
+        try:
+            supported.append(_ops().set_isa(isa))
+        except RuntimeError:
+            pass
+    _ops().set_isa(current)
+    return supported
+
+
+@contextlib.contextmanager
+def forced_isa(isa: str) -> Iterator[str]:
+    """Run the kernels on ``isa`` (``auto``, ``avx512``, ``avx2``, ``scalar``) inside the block;
+    raises RuntimeError when this CPU lacks it. Process-wide: for tests and benchmarks."""
+    previous = current_isa()
+    chosen = _ops().set_isa(isa)
+    try:
+        yield chosen
+    finally:
+        _ops().set_isa(previous)
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -52,8 +88,9 @@ def paged_decode_attention(
     scale: float,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q ``[n, H, D]`` fp32, caches ``[blocks, block_size, kvh, D]``, ``block_tables [n, >=
-    ceil(len / block_size)]`` int32, ``seq_lens [n]`` int32 -> ``[n, H, D]``."""
+    """q ``[n, H, D]``, caches ``[blocks, block_size, kvh, D]`` (all fp32 or all bf16),
+    ``block_tables [n, >= ceil(len / block_size)]`` int32, ``seq_lens [n]`` int32 ->
+    ``[n, H, D]`` in q's dtype (fp32 arithmetic)."""
     if out is None:
         out = torch.empty_like(q)
     _ops().paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, out)
@@ -62,14 +99,14 @@ def paged_decode_attention(
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``x / sqrt(mean(x^2) + eps) * weight`` over the last dimension."""
-    return _ops().rms_norm(x, weight, eps)
+    return _ops().rms_norm(x, weight.to(x.dtype), eps)
 
 
 def fused_add_rms_norm_(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """In place: ``residual += x``, then ``x = rms_norm(residual)``; returns ``(x, residual)``."""
-    _ops().fused_add_rms_norm_(x, residual, weight, eps)
+    _ops().fused_add_rms_norm_(x, residual, weight.to(x.dtype), eps)
     return x, residual
 
 

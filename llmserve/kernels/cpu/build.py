@@ -21,19 +21,6 @@ import torch
 logger = logging.getLogger(__name__)
 
 
-def cpu_flags_hash() -> str:
-    """A digest of this CPU's instruction-set flags. ``-march=native`` code built on one host
-    must never be reused from the cache on another (an AVX-512 build dies with SIGILL on an
-    AVX2-only host), so a library built that way passes this as a flag: a new CPU rebuilds."""
-    flags = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        pass
-    return hashlib.sha256(flags.encode()).hexdigest()[:16]
-
-
 class NativeLibrary:
     """One C++ library registering torch ops under ``namespace``; ``probe_ops`` must exist."""
 

@@ -1,5 +1,6 @@
-// Fused element-wise ops for the CPU (fp32): each reads its inputs once and writes once,
-// where torch would run several passes (x*x, mean, rsqrt, mul, mul, ...) over memory.
+// Fused element-wise ops for the CPU, fp32 or bf16 (fp32 arithmetic, one rounding at the
+// store): each reads its inputs once and writes once, where torch would run several passes
+// (x*x, mean, rsqrt, mul, mul, ...) over memory.
 //
 //   rms_norm(x, w, eps)                 out = x / sqrt(mean(x^2) + eps) * w          [T, d]
 //   fused_add_rms_norm_(x, r, w, eps)   r += x;  x = rms_norm(r, w, eps)     (both in place)
@@ -7,99 +8,123 @@
 //   rotary_interleaved(x, pos, cis)     pairs (x[2i], x[2i+1]) of every head, rotated by the
 //                                       angle of their position: out = x * (cos + i sin)
 //
-// Rows are spread over torch's intra-op threads with at::parallel_for.
+// The bodies (fused_impl.h) are compiled for AVX-512, AVX2 and plain C++; isa.h picks one at
+// run time. Rows are spread over torch's intra-op threads with at::parallel_for.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <cmath>
+#include <vector>
 
+#include "isa.h"
 #include "vec.h"
 
 namespace {
-
 constexpr int64_t kGrain = 16;  // rows per task at least: a row is a few microseconds
+}  // namespace
 
-void check_float(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be float32 (the C++ CPU kernels are fp32)");
+namespace {  // internal: each file compiles its own copies
+namespace isa_scalar {
+using Vec = VecScalar;
+#include "fused_impl.h"
+}  // namespace isa_scalar
+}  // namespace
+
+#ifdef LLMSERVE_X86
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace {  // internal: each file compiles its own copies
+namespace isa_avx2 {
+using Vec = Vec256;
+#include "fused_impl.h"
+}  // namespace isa_avx2
+}  // namespace
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")
+namespace {  // internal: each file compiles its own copies
+namespace isa_avx512 {
+using Vec = Vec512;
+#include "fused_impl.h"
+}  // namespace isa_avx512
+}  // namespace
+#pragma GCC pop_options
+
+// the body compiled for the ISA chosen at run time (isa.h)
+#define LLMSERVE_DISPATCH(...)                                               \
+  switch (llmserve::current_isa()) {                                         \
+    case llmserve::Isa::kAvx512: isa_avx512::__VA_ARGS__; break;             \
+    case llmserve::Isa::kAvx2: isa_avx2::__VA_ARGS__; break;                 \
+    default: isa_scalar::__VA_ARGS__;                                        \
+  }
+#else
+#define LLMSERVE_DISPATCH(...) isa_scalar::__VA_ARGS__
+#endif
+
+namespace {
+
+using bf16 = uint16_t;  // raw bf16 bits; at::BFloat16 has the same layout
+
+void check_dtype(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
+              " must be float32 or bfloat16 (the C++ CPU kernels' dtypes)");
   TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
 }
 
-float sum_squares(const float* x, int64_t n) {
-  int64_t i = 0;
-  float sum = 0.f;
-#ifdef LLMSERVE_AVX2
-  __m256 acc = _mm256_setzero_ps();
-  for (; i + 8 <= n; i += 8) {
-    const __m256 v = _mm256_loadu_ps(x + i);
-    acc = _mm256_fmadd_ps(v, v, acc);
-  }
-  sum = hsum8(acc);
-#endif
-  for (; i < n; ++i) sum += x[i] * x[i];
-  return sum;
+void check_same_dtype(const at::Tensor& x, const at::Tensor& other, const char* name) {
+  TORCH_CHECK(other.scalar_type() == x.scalar_type(), name, " must have x's dtype (",
+              x.scalar_type(), "), got ", other.scalar_type());
 }
 
-// out[i] = x[i] * scale * w[i]
-void scale_mul(float* out, const float* x, const float* w, float scale, int64_t n) {
-  int64_t i = 0;
-#ifdef LLMSERVE_AVX2
-  const __m256 sv = _mm256_set1_ps(scale);
-  for (; i + 8 <= n; i += 8) {
-    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), sv), _mm256_loadu_ps(w + i)));
-  }
-#endif
-  for (; i < n; ++i) out[i] = x[i] * scale * w[i];
+template <typename T>
+T* ptr(const at::Tensor& t) {
+  return reinterpret_cast<T*>(t.data_ptr());
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  check_float(x, "x");
-  check_float(weight, "weight");
+  check_dtype(x, "x");
+  check_same_dtype(x, weight, "weight");
   const int64_t d = weight.numel();
   TORCH_CHECK(x.size(-1) == d, "rms_norm: x's last dimension ", x.size(-1), " != weight's ", d);
-  const at::Tensor xc = x.contiguous();
+  const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
   at::Tensor out = at::empty_like(xc);
   const int64_t rows = xc.numel() / d;
-  const float* xp = xc.data_ptr<float>();
-  const float* wp = weight.contiguous().data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* row = xp + r * d;
-      const float scale = 1.f / std::sqrt(sum_squares(row, d) / d + static_cast<float>(eps));
-      scale_mul(op + r * d, row, wp, scale, d);
-    }
-  });
+  const float e = static_cast<float>(eps);
+  if (x.scalar_type() == at::kBFloat16) {
+    LLMSERVE_DISPATCH(
+        rms_norm_rows(ptr<const bf16>(xc), ptr<const bf16>(wc), ptr<bf16>(out), rows, d, e));
+  } else {
+    LLMSERVE_DISPATCH(
+        rms_norm_rows(ptr<const float>(xc), ptr<const float>(wc), ptr<float>(out), rows, d, e));
+  }
   return out;
 }
 
 void fused_add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps) {
-  check_float(x, "x");
-  check_float(residual, "residual");
-  check_float(weight, "weight");
+  check_dtype(x, "x");
+  check_same_dtype(x, residual, "residual");
+  check_same_dtype(x, weight, "weight");
   TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && x.sizes() == residual.sizes(),
               "fused_add_rms_norm_: x and residual must be contiguous and of the same shape");
   const int64_t d = weight.numel();
   TORCH_CHECK(x.size(-1) == d, "fused_add_rms_norm_: x's last dimension ", x.size(-1), " != weight's ", d);
+  const at::Tensor wc = weight.contiguous();
   const int64_t rows = x.numel() / d;
-  float* xp = x.data_ptr<float>();
-  float* rp = residual.data_ptr<float>();
-  const float* wp = weight.contiguous().data_ptr<float>();
-  at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      float* xr = xp + r * d;
-      float* rr = rp + r * d;
-      for (int64_t i = 0; i < d; ++i) rr[i] += xr[i];
-      const float scale = 1.f / std::sqrt(sum_squares(rr, d) / d + static_cast<float>(eps));
-      scale_mul(xr, rr, wp, scale, d);
-    }
-  });
+  const float e = static_cast<float>(eps);
+  if (x.scalar_type() == at::kBFloat16) {
+    LLMSERVE_DISPATCH(
+        add_rms_norm_rows(ptr<bf16>(x), ptr<bf16>(residual), ptr<const bf16>(wc), rows, d, e));
+  } else {
+    LLMSERVE_DISPATCH(
+        add_rms_norm_rows(ptr<float>(x), ptr<float>(residual), ptr<const float>(wc), rows, d, e));
+  }
 }
 
-
 at::Tensor silu_and_mul(const at::Tensor& x) {
-  check_float(x, "x");
+  check_dtype(x, "x");
   const int64_t d = x.size(-1) / 2;
   TORCH_CHECK(x.size(-1) == 2 * d, "silu_and_mul: the last dimension must be even");
   const at::Tensor xc = x.contiguous();
@@ -107,39 +132,38 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   sizes.back() = d;
   at::Tensor out = at::empty(sizes, xc.options());
   const int64_t rows = xc.numel() / (2 * d);
-  const float* xp = xc.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* gate = xp + r * 2 * d;
-      const float* up = gate + d;
-      float* o = op + r * d;
-      int64_t i = 0;
-#ifdef LLMSERVE_AVX2
-      const __m256 one = _mm256_set1_ps(1.f);
-      for (; i + 8 <= d; i += 8) {
-        const __m256 g = _mm256_loadu_ps(gate + i);
-        const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
-        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(g, sig), _mm256_loadu_ps(up + i)));
-      }
-#endif
-      for (; i < d; ++i) o[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
-    }
-  });
+  if (x.scalar_type() == at::kBFloat16) {
+    LLMSERVE_DISPATCH(silu_and_mul_rows(ptr<const bf16>(xc), ptr<bf16>(out), rows, d));
+  } else {
+    LLMSERVE_DISPATCH(silu_and_mul_rows(ptr<const float>(xc), ptr<float>(out), rows, d));
+  }
   return out;
+}
+
+template <typename T>
+void rotary_dispatch(const at::Tensor& x, const int64_t* positions, const at::Tensor& cis,
+                     at::Tensor& out, int64_t heads, int64_t head_dim) {
+  const int64_t tokens = x.size(0), stride = x.stride(0);
+  if (cis.scalar_type() == at::kBFloat16) {
+    LLMSERVE_DISPATCH(rotary_rows(ptr<const T>(x), stride, positions, ptr<const bf16>(cis),
+                                  ptr<T>(out), tokens, heads, head_dim));
+  } else {
+    LLMSERVE_DISPATCH(rotary_rows(ptr<const T>(x), stride, positions, ptr<const float>(cis),
+                                  ptr<T>(out), tokens, heads, head_dim));
+  }
 }
 
 at::Tensor rotary_interleaved(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cis,
                               int64_t head_dim) {
-  check_float(x, "x");
-  check_float(cis, "cis");
+  check_dtype(x, "x");
+  check_dtype(cis, "cis");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "rotary_interleaved: x must be [tokens, heads * head_dim] with unit column stride");
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == x.size(0),
               "rotary_interleaved: positions must be int64, one per token");
   TORCH_CHECK(cis.dim() == 3 && cis.size(1) * 2 == head_dim && cis.size(2) == 2 && cis.is_contiguous(),
               "rotary_interleaved: cis must be [max_positions, head_dim / 2, 2]");
   TORCH_CHECK(x.size(1) % head_dim == 0, "rotary_interleaved: width is not a multiple of head_dim");
-  const int64_t tokens = x.size(0), width = x.size(1), row_stride = x.stride(0);
+  const int64_t tokens = x.size(0), width = x.size(1);
   const int64_t heads = width / head_dim, max_pos = cis.size(0);
   at::Tensor out = at::empty({tokens, width}, x.options());
   const at::Tensor pos = positions.contiguous();
@@ -147,23 +171,11 @@ at::Tensor rotary_interleaved(const at::Tensor& x, const at::Tensor& positions, 
   for (int64_t t = 0; t < tokens; ++t) {
     TORCH_CHECK(pp[t] >= 0 && pp[t] < max_pos, "rotary_interleaved: position ", pp[t], " outside 0..", max_pos - 1);
   }
-  const float* xp = x.data_ptr<float>();
-  const float* cp = cis.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, tokens, kGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* c = cp + pp[t] * head_dim;  // (cos, sin) pairs of this position
-      for (int64_t h = 0; h < heads; ++h) {
-        const float* in = xp + t * row_stride + h * head_dim;
-        float* o = op + t * width + h * head_dim;
-        for (int64_t i = 0; i < head_dim; i += 2) {
-          const float a = in[i], b = in[i + 1], cs = c[i], sn = c[i + 1];
-          o[i] = a * cs - b * sn;
-          o[i + 1] = a * sn + b * cs;
-        }
-      }
-    }
-  });
+  if (x.scalar_type() == at::kBFloat16) {
+    rotary_dispatch<bf16>(x, pp, cis, out, heads, head_dim);
+  } else {
+    rotary_dispatch<float>(x, pp, cis, out, heads, head_dim);
+  }
   return out;
 }
 

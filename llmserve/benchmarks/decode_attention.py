@@ -1,0 +1,97 @@
+"""``python -m llmserve.benchmarks.decode_attention``: the C++ paged decode attention kernel
+alone, per instruction-set path, KV dtype and block size, in GB/s of K/V read.
+
+Decode at batch B and context C with the default model's heads (9 query heads, 3 KV heads,
+head_dim 64), the blocks shuffled across the pool as a long-running server leaves them, over
+``--layers`` layers of separate caches (as a model step reads them: together larger than the
+last-level cache, so K/V come from memory; one layer called repeatedly would be served from
+cache and overstate the rate). Each configuration is timed in turn, round after round, so
+load from other processes hits them alike (medians reported). Compare the GB/s with the
+machine's streaming read rate: decode attention is memory-bound once the kernel keeps up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from llmserve.benchmarks.report import format_table
+from llmserve.kernels import cpu as cpu_kernels
+
+
+def make_batch(batch: int, context: int, block_size: int, dtype: torch.dtype, shape, seed: int):
+    """q, caches, shuffled block tables and lengths of a decode batch (every context C)."""
+    num_heads, num_kv_heads, head_dim = shape
+    gen = torch.Generator().manual_seed(seed)
+    blocks = -(-context // block_size)
+    pool = batch * blocks + 8
+    cache_shape = (pool, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(cache_shape, generator=gen).to(dtype)
+    v_cache = torch.randn(cache_shape, generator=gen).to(dtype)
+    tables = torch.randperm(pool, generator=gen)[: batch * blocks].view(batch, blocks).int()
+    q = torch.randn(batch, num_heads, head_dim, generator=gen).to(dtype)  # [B, H, D]
+    seq_lens = torch.full((batch,), context, dtype=torch.int32)
+    return q, k_cache, v_cache, tables.contiguous(), seq_lens
+
+
+def measure(args: argparse.Namespace) -> list[dict]:
+    shape = (9, 3, 64)
+    rows, fns = [], {}  # (context, dtype, block_size, isa) -> (layers' inputs, out, bytes read)
+    for context in args.contexts:
+        for dtype_name in args.dtypes:
+            dtype = getattr(torch, dtype_name)
+            for block_size in args.block_sizes:
+                layers = [
+                    make_batch(args.batch, context, block_size, dtype, shape, seed)
+                    for seed in range(args.layers)
+                ]
+                out = torch.empty_like(layers[0][0])
+                # K and V of every context position of every layer, as read
+                kv_bytes = (
+                    2 * args.layers * args.batch * context * shape[1] * shape[2] * dtype.itemsize
+                )
+                for isa in args.isas:
+                    fns[(context, dtype_name, block_size, isa)] = (layers, out, kv_bytes)
+    times: dict = {key: [] for key in fns}
+    for _ in range(args.rounds):
+        for key, (layers, out, _) in fns.items():
+            with cpu_kernels.forced_isa(key[3]):
+                start = time.perf_counter()
+                for q, k, v, tables, lens in layers:
+                    cpu_kernels.paged_decode_attention(q, k, v, tables, lens, 0.125, out)
+                times[key].append(time.perf_counter() - start)
+    for key, (_, _, nbytes) in fns.items():
+        seconds = statistics.median(times[key])
+        context, dtype_name, block_size, isa = key
+        rows.append({"context": context, "dtype": dtype_name, "block_size": block_size, "isa": isa,
+                     "ms_per_layer": seconds * 1e3 / args.layers, "gbs": nbytes / seconds / 1e9})  # fmt: skip
+    return rows
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0].strip("`"))
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--contexts", type=int, nargs="+", default=[256, 512])
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    p.add_argument("--block-sizes", type=int, nargs="+", default=[16, 128])
+    p.add_argument("--isas", nargs="+", default=None, help="default: every path this CPU runs")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--layers", type=int, default=8, help="layers of separate K/V caches")
+    p.add_argument("--rounds", type=int, default=7)
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    args.isas = args.isas or [i for i in cpu_kernels.supported_isas() if i != "scalar"]
+    rows = measure(args)
+    threads = torch.get_num_threads()
+    print(f"paged decode attention, batch {args.batch}, {args.layers} layers, {threads} threads")
+    cols = ("context", "dtype", "block_size", "isa", "ms_per_layer", "gbs")
+    print(format_table(cols, [[r[c] for c in cols] for r in rows]))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

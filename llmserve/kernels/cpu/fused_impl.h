@@ -1,0 +1,109 @@
+// The fused element-wise bodies, included by fused.cpp once per ISA inside a namespace that
+// defines ``Vec`` (vec.h). T is the element type in memory (float, or uint16_t holding bf16);
+// arithmetic is fp32, and a bf16 result is rounded once, at the store.
+// (No include guard: this file is meant to be included several times.)
+
+template <typename T>
+inline float sum_squares(const T* x, int64_t n) {
+  constexpr int64_t W = Vec::W;
+  Vec acc = Vec::zero();
+  int64_t i = 0;
+  for (; i + W <= n; i += W) {
+    const Vec v = Vec::load(x + i);
+    acc = Vec::fma(v, v, acc);
+  }
+  float sum = Vec::reduce_add(acc);
+  for (; i < n; ++i) sum += to_f32(x[i]) * to_f32(x[i]);
+  return sum;
+}
+
+// out[i] = x[i] * scale * w[i]
+template <typename T>
+inline void scale_mul(T* out, const T* x, const T* w, float scale, int64_t n) {
+  constexpr int64_t W = Vec::W;
+  const Vec sv = Vec::set1(scale);
+  int64_t i = 0;
+  for (; i + W <= n; i += W) {
+    Vec::mul(Vec::mul(Vec::load(x + i), sv), Vec::load(w + i)).store(out + i);
+  }
+  for (; i < n; ++i) put_f32(out + i, to_f32(x[i]) * scale * to_f32(w[i]));
+}
+
+// r[i] += x[i] (rounded to T, as a T-typed residual stream is)
+template <typename T>
+inline void add_into(T* r, const T* x, int64_t n) {
+  constexpr int64_t W = Vec::W;
+  int64_t i = 0;
+  for (; i + W <= n; i += W) Vec::add(Vec::load(r + i), Vec::load(x + i)).store(r + i);
+  for (; i < n; ++i) put_f32(r + i, to_f32(r[i]) + to_f32(x[i]));
+}
+
+template <typename T>
+void rms_norm_rows(const T* x, const T* w, T* out, int64_t rows, int64_t d, float eps) {
+  at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float scale = 1.f / std::sqrt(sum_squares(x + r * d, d) / d + eps);
+      scale_mul(out + r * d, x + r * d, w, scale, d);
+    }
+  });
+}
+
+template <typename T>
+void add_rms_norm_rows(T* x, T* residual, const T* w, int64_t rows, int64_t d, float eps) {
+  at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      T* xr = x + r * d;
+      T* rr = residual + r * d;
+      add_into(rr, xr, d);
+      const float scale = 1.f / std::sqrt(sum_squares(rr, d) / d + eps);
+      scale_mul(xr, rr, w, scale, d);
+    }
+  });
+}
+
+// out[r] = silu(x[r, :d]) * x[r, d:], rows of 2d -> rows of d
+template <typename T>
+void silu_and_mul_rows(const T* x, T* out, int64_t rows, int64_t d) {
+  constexpr int64_t W = Vec::W;
+  at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
+    const Vec one = Vec::set1(1.f);
+    for (int64_t r = begin; r < end; ++r) {
+      const T* gate = x + r * 2 * d;
+      const T* up = gate + d;
+      T* o = out + r * d;
+      int64_t i = 0;
+      for (; i + W <= d; i += W) {
+        const Vec g = Vec::load(gate + i);
+        const Vec sig = Vec::div(one, Vec::add(one, Vec::exp(Vec::sub(Vec::zero(), g))));
+        Vec::mul(Vec::mul(g, sig), Vec::load(up + i)).store(o + i);
+      }
+      for (; i < d; ++i) {
+        const float g = to_f32(gate[i]);
+        put_f32(o + i, g / (1.f + std::exp(-g)) * to_f32(up[i]));
+      }
+    }
+  });
+}
+
+// out[t, h * D + 2i, +1] = pair (x[2i], x[2i+1]) of head h rotated by cis[position[t], i]
+template <typename T, typename C>
+void rotary_rows(const T* x, int64_t row_stride, const int64_t* positions, const C* cis, T* out,
+                 int64_t tokens, int64_t heads, int64_t head_dim) {
+  const int64_t width = heads * head_dim;
+  at::parallel_for(0, tokens, kGrain, [&](int64_t begin, int64_t end) {
+    std::vector<float> c(head_dim);
+    for (int64_t t = begin; t < end; ++t) {
+      const C* ct = cis + positions[t] * head_dim;  // (cos, sin) pairs of this position
+      for (int64_t i = 0; i < head_dim; ++i) c[i] = to_f32(ct[i]);
+      for (int64_t h = 0; h < heads; ++h) {
+        const T* in = x + t * row_stride + h * head_dim;
+        T* o = out + t * width + h * head_dim;
+        for (int64_t i = 0; i < head_dim; i += 2) {
+          const float a = to_f32(in[i]), b = to_f32(in[i + 1]), cs = c[i], sn = c[i + 1];
+          put_f32(o + i, a * cs - b * sn);
+          put_f32(o + i + 1, a * sn + b * cs);
+        }
+      }
+    }
+  });
+}

@@ -1,0 +1,54 @@
+// Run-time choice of the instruction set for the kernels of llmserve_cpu_kernels.
+//
+// Each kernel body (``*_impl.h``) is compiled three times, into namespaces isa_avx512,
+// isa_avx2 and isa_scalar, under a ``#pragma GCC target`` of that ISA, while the library is
+// built for the baseline x86-64 target; ``current_isa()`` picks one per call: the best this
+// CPU runs, or the one forced by ``set_isa`` (tests, and ``LLMSERVE_CPU_ISA`` at load time).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <string>
+
+namespace llmserve {
+
+enum class Isa { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+
+inline bool cpu_supports(Isa isa) {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  __builtin_cpu_init();
+  if (isa == Isa::kAvx2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (isa == Isa::kAvx512) {
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma");
+  }
+#endif
+  return isa == Isa::kScalar;
+}
+
+inline Isa best_isa() {
+  if (cpu_supports(Isa::kAvx512)) return Isa::kAvx512;
+  if (cpu_supports(Isa::kAvx2)) return Isa::kAvx2;
+  return Isa::kScalar;
+}
+
+inline const char* isa_name(Isa isa) {
+  return isa == Isa::kAvx512 ? "avx512" : isa == Isa::kAvx2 ? "avx2" : "scalar";
+}
+
+// "auto", "avx512", "avx2" or "scalar" -> the ISA; forcing one this CPU lacks raises
+inline Isa parse_isa(const std::string& name) {
+  if (name == "auto") return best_isa();
+  for (Isa isa : {Isa::kAvx512, Isa::kAvx2, Isa::kScalar}) {
+    if (name == isa_name(isa)) {
+      TORCH_CHECK(cpu_supports(isa), "this CPU cannot run the ", name, " kernels");
+      return isa;
+    }
+  }
+  TORCH_CHECK(false, "isa must be one of auto, avx512, avx2, scalar; got '", name, "'");
+}
+
+Isa current_isa();             // defined in paged_attention.cpp
+void set_current_isa(Isa isa);
+
+}  // namespace llmserve

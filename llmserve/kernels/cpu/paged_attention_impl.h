@@ -1,0 +1,329 @@
+// The paged decode attention body, included by paged_attention.cpp once per ISA inside a
+// namespace that defines ``Vec`` (vec.h); T is the element type of q, the caches and out:
+// float, or uint16_t holding bf16. Arithmetic is fp32 throughout.
+// (No include guard: this file is meant to be included several times.)
+
+// Rows of K, V and the accumulators are walked in chunks of C = 2W elements, each loaded as
+// two vectors (Vec::load2). For bf16 the pair is (even elements, odd elements) with no
+// shuffle, so inside the first D / C * C elements the fp32 buffers (scaled q, accumulators)
+// hold each chunk in that order; ``slot`` maps element d to its place. The rest is in order.
+constexpr int64_t C = 2 * Vec::W;
+
+template <typename T>
+inline int64_t slot(int64_t d, int64_t D) {
+  if (!std::is_same<T, uint16_t>::value || d >= D / C * C) return d;
+  const int64_t r = d % C;
+  return d - r + (r % 2) * Vec::W + r / 2;
+}
+
+// The query heads that share a KV head are taken together, up to kMaxHeads at a time, so a
+// K or V chunk is loaded (and widened from bf16) once for all of them; their queries and
+// accumulators stay in registers (32 vector registers with AVX-512, 16 with AVX2).
+constexpr int kMaxHeads = Vec::W >= 16 ? 4 : 2;
+constexpr int kAccRegs = Vec::W >= 16 ? 16 : 8;
+
+// out[h * os + i] = q_h . k_i for NH heads q_h = q + h * D (fp32, pre-scaled, chunk order) and
+// n key rows k_i = k + i * stride. Four rows at a time, summed across lanes together.
+template <int NH, typename T>
+inline void dots(const float* q, const T* k, int64_t stride, int64_t n, int64_t D, float* out,
+                 int64_t os) {
+  constexpr int64_t W = Vec::W;
+  const int64_t Dc = D / C * C;
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    const T* k0 = k + i * stride;
+    Vec a[NH][4];
+    for (int h = 0; h < NH; ++h) {
+      for (int r = 0; r < 4; ++r) a[h][r] = Vec::zero();
+    }
+    for (int64_t d = 0; d < Dc; d += C) {
+      Vec qa[NH], qb[NH], ka, kb;
+      for (int h = 0; h < NH; ++h) {
+        qa[h] = Vec::load(q + h * D + d);
+        qb[h] = Vec::load(q + h * D + d + W);
+      }
+      for (int r = 0; r < 4; ++r) {
+        Vec::load2(k0 + r * stride + d, ka, kb);
+        for (int h = 0; h < NH; ++h) a[h][r] = Vec::fma(qb[h], kb, Vec::fma(qa[h], ka, a[h][r]));
+      }
+    }
+    for (int h = 0; h < NH; ++h) {
+      float* o = out + h * os + i;
+      Vec::reduce4(a[h][0], a[h][1], a[h][2], a[h][3], o);
+      for (int64_t d = Dc; d < D; ++d) {
+        for (int r = 0; r < 4; ++r) o[r] += q[h * D + d] * to_f32(k0[r * stride + d]);
+      }
+    }
+  }
+  for (; i < n; ++i) {
+    const T* ki = k + i * stride;
+    for (int h = 0; h < NH; ++h) {
+      const float* qh = q + h * D;
+      Vec a = Vec::zero(), ka, kb;
+      for (int64_t d = 0; d < Dc; d += C) {
+        Vec::load2(ki + d, ka, kb);
+        a = Vec::fma(Vec::load(qh + d + W), kb, Vec::fma(Vec::load(qh + d), ka, a));
+      }
+      float sum = Vec::reduce_add(a);
+      for (int64_t d = Dc; d < D; ++d) sum += qh[d] * to_f32(ki[d]);
+      out[h * os + i] = sum;
+    }
+  }
+}
+
+// the largest of m and s[0..n)
+inline float running_max(const float* s, int64_t n, float m) {
+  constexpr int64_t W = Vec::W;
+  int64_t i = 0;
+  if (n >= W) {
+    Vec mv = Vec::load(s);
+    for (i = W; i + W <= n; i += W) mv = Vec::max(mv, Vec::load(s + i));
+    m = std::max(m, Vec::reduce_max(mv));
+  }
+  for (; i < n; ++i) m = std::max(m, s[i]);
+  return m;
+}
+
+// s[i] = exp(s[i] - mx) for i < n; returns their sum
+inline float exp_and_sum(float* s, int64_t n, float mx) {
+  constexpr int64_t W = Vec::W;
+  const Vec mv = Vec::set1(mx);
+  Vec acc = Vec::zero();
+  int64_t i = 0;
+  for (; i + W <= n; i += W) {
+    const Vec e = Vec::exp(Vec::sub(Vec::load(s + i), mv));
+    e.store(s + i);
+    acc = Vec::add(acc, e);
+  }
+  float sum = Vec::reduce_add(acc);
+  for (; i < n; ++i) {
+    s[i] = std::exp(s[i] - mx);
+    sum += s[i];
+  }
+  return sum;
+}
+
+// ask for the cache lines of [k, k + bytes) and [v, v + bytes) ahead of their use
+inline void prefetch(const void* k, const void* v, int64_t bytes) {
+  const char* kc = static_cast<const char*>(k);
+  const char* vc = static_cast<const char*>(v);
+  for (int64_t off = 0; off < bytes; off += 64) {
+    __builtin_prefetch(kc + off, 0, 3);
+    __builtin_prefetch(vc + off, 0, 3);
+  }
+}
+
+// x[i] = exp(x[i]) for i < n
+inline void exp_inplace(float* x, int64_t n) {
+  constexpr int64_t W = Vec::W;
+  int64_t i = 0;
+  for (; i + W <= n; i += W) Vec::exp(Vec::load(x + i)).store(x + i);
+  for (; i < n; ++i) x[i] = std::exp(x[i]);
+}
+
+// For NH heads h (acc_h = acc + h * D, p_h = p + h * ps): elements [0, NC * C) of acc_h =
+// acc_h * correction[h] + sum_i p_h[i] v_i (chunk order), v_i = v + i * stride; the
+// accumulators stay in registers over the block's rows, each V chunk is widened once.
+template <int NC, int NH, typename T>
+inline void accumulate_rows(float* acc, int64_t D, const float* p, int64_t ps, const T* v,
+                            int64_t stride, int64_t n, const float* correction) {
+  constexpr int64_t W = Vec::W;
+  Vec a[NH][2 * NC], w[NH], x0, x1;
+  for (int h = 0; h < NH; ++h) {
+    const Vec c = Vec::set1(correction[h]);
+    for (int j = 0; j < 2 * NC; ++j) a[h][j] = Vec::mul(Vec::load(acc + h * D + j * W), c);
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    for (int h = 0; h < NH; ++h) w[h] = Vec::set1(p[h * ps + i]);
+    const T* row = v + i * stride;
+    for (int j = 0; j < NC; ++j) {
+      Vec::load2(row + j * C, x0, x1);
+      for (int h = 0; h < NH; ++h) {
+        a[h][2 * j] = Vec::fma(w[h], x0, a[h][2 * j]);
+        a[h][2 * j + 1] = Vec::fma(w[h], x1, a[h][2 * j + 1]);
+      }
+    }
+  }
+  for (int h = 0; h < NH; ++h) {
+    for (int j = 0; j < 2 * NC; ++j) a[h][j].store(acc + h * D + j * W);
+  }
+}
+
+template <int NH, typename T>
+inline void accumulate(float* acc, const float* p, int64_t ps, const T* v, int64_t stride,
+                       int64_t n, int64_t D, const float* correction) {
+  constexpr int NC = kAccRegs / (2 * NH) >= 4 ? 4 : kAccRegs / (2 * NH) >= 2 ? 2 : 1;
+  const int64_t Dc = D / C * C;
+  int64_t d = 0;
+  for (; d + NC * C <= Dc; d += NC * C) {
+    accumulate_rows<NC, NH>(acc + d, D, p, ps, v + d, stride, n, correction);
+  }
+  for (; d < Dc; d += C) accumulate_rows<1, NH>(acc + d, D, p, ps, v + d, stride, n, correction);
+  for (int h = 0; h < NH; ++h) {
+    for (int64_t e = d; e < D; ++e) {
+      float a = acc[h * D + e] * correction[h];
+      for (int64_t i = 0; i < n; ++i) a += p[h * ps + i] * to_f32(v[i * stride + e]);
+      acc[h * D + e] = a;
+    }
+  }
+}
+
+// f(std::integral_constant<int, NH>, h, g) for each run of NH <= kMaxHeads query heads
+// h .. h + NH - 1 that share KV head g
+template <typename F>
+inline void for_head_groups(const Shape& sh, F&& f) {
+  for (int64_t g = 0; g < sh.kv_heads; ++g) {
+    const int64_t end = (g + 1) * sh.group;
+    for (int64_t h = g * sh.group; h < end; h += kMaxHeads) {
+      switch (std::min<int64_t>(kMaxHeads, end - h)) {
+        case 1: f(std::integral_constant<int, 1>{}, h, g); break;
+        case 2: if constexpr (kMaxHeads >= 2) f(std::integral_constant<int, 2>{}, h, g); break;
+        case 3: if constexpr (kMaxHeads >= 3) f(std::integral_constant<int, 3>{}, h, g); break;
+        default: if constexpr (kMaxHeads >= 4) f(std::integral_constant<int, 4>{}, h, g); break;
+      }
+    }
+  }
+}
+
+// Attend query rows q [num_heads, head_dim] (fp32, times the scale) over tokens [t0, t1) of one
+// sequence (t0 on a block boundary), one block at a time with an online softmax: the block's
+// scores, the running maxima m and sums l (acc rescaled when a maximum grows, folded into the
+// V pass), then the block's V rows. K and V of a block are read right after each other (the
+// next block's asked for while this one is computed), and the scores never leave L1. Leaves
+// acc [num_heads, head_dim] unnormalised (chunk order), m and l [num_heads].
+template <typename T>
+void attend_chunk(const Shape& sh, const float* q, const T* k_cache, const T* v_cache,
+                  const int32_t* table, int64_t t0, int64_t t1, Scratch& w, float* acc, float* m,
+                  float* l) {
+  const int64_t H = sh.num_heads, D = sh.head_dim, bs = sh.block_size;
+  std::fill(acc, acc + H * D, 0.f);
+  std::fill(m, m + H, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + H, 0.f);
+  for (int64_t b0 = t0; b0 < t1; b0 += bs) {
+    const int64_t n = std::min(bs, t1 - b0);
+    const int64_t block = table[b0 / bs];
+    const T* kb = k_cache + block * bs * sh.row;  // token i of the block: kb + i * row
+    const T* vb = v_cache + block * bs * sh.row;
+    if (b0 + bs < t1) {  // the next block: blocks are scattered, no hardware prefetcher finds it
+      const int64_t next = table[b0 / bs + 1] * bs * sh.row;
+      const int64_t bytes = std::min(bs, t1 - b0 - bs) * sh.row * int64_t(sizeof(T));
+      prefetch(k_cache + next, v_cache + next, bytes);
+    }
+    for_head_groups(sh, [&](auto nh, int64_t h, int64_t g) {
+      dots<decltype(nh)::value>(q + h * D, kb + g * D, sh.row, n, D, w.scores.data() + h * bs, bs);
+    });
+    for (int64_t h = 0; h < H; ++h) {
+      const float mx = running_max(w.scores.data() + h * bs, n, m[h]);
+      w.correction[h] = m[h] - mx;
+      m[h] = mx;
+    }
+    exp_inplace(w.correction.data(), H);  // ~0 on the first block (m = -inf), where acc = l = 0
+    for (int64_t h = 0; h < H; ++h) {
+      l[h] = l[h] * w.correction[h] + exp_and_sum(w.scores.data() + h * bs, n, m[h]);
+    }
+    for_head_groups(sh, [&](auto nh, int64_t h, int64_t g) {
+      accumulate<decltype(nh)::value>(acc + h * D, w.scores.data() + h * bs, bs, vb + g * D,
+                                      sh.row, n, D, w.correction.data() + h);
+    });
+  }
+}
+
+// qf = scale * q as fp32, each head's row in chunk order
+template <typename T>
+inline void scaled_query(const T* q, int64_t heads, int64_t D, float scale, float* qf) {
+  for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t d = 0; d < D; ++d) qf[h * D + slot<T>(d, D)] = scale * to_f32(q[h * D + d]);
+  }
+}
+
+// out[d] = acc[slot(d)] * inv, stored as T
+template <typename T>
+inline void store_scaled(T* out, const float* acc, float inv, int64_t D) {
+  if (std::is_same<T, float>::value) {
+    constexpr int64_t W = Vec::W;
+    const Vec iv = Vec::set1(inv);
+    int64_t d = 0;
+    for (; d + W <= D; d += W) Vec::mul(Vec::load(acc + d), iv).store(out + d);
+    for (; d < D; ++d) put_f32(out + d, acc[d] * inv);
+    return;
+  }
+  for (int64_t d = 0; d < D; ++d) put_f32(out + d, acc[slot<T>(d, D)] * inv);
+}
+
+// One work item per sequence: out_h = acc_h / l_h directly.
+template <typename T>
+void attend_per_sequence(const Batch& b) {
+  const int64_t H = b.sh.num_heads, D = b.sh.head_dim;
+  const T* q = static_cast<const T*>(b.q);
+  T* out = static_cast<T*>(b.out);
+  at::parallel_for(0, b.num_seqs, 1, [&](int64_t begin, int64_t end) {
+    Scratch w(b.sh);
+    for (int64_t s = begin; s < end; ++s) {
+      scaled_query(q + s * H * D, H, D, b.scale, w.q.data());
+      attend_chunk(b.sh, w.q.data(), static_cast<const T*>(b.k_cache),
+                   static_cast<const T*>(b.v_cache), b.tables + s * b.max_blocks, 0, b.lens[s], w,
+                   w.acc.data(), w.m.data(), w.l.data());
+      for (int64_t h = 0; h < H; ++h) {
+        store_scaled(out + (s * H + h) * D, w.acc.data() + h * D, 1.f / w.l[h], D);
+      }
+    }
+  });
+}
+
+// Split-K (flash-decoding): chunk c of sequence s covers whole blocks [c * per, (c + 1) * per)
+// of its table; each chunk leaves (m, l, acc), then one reduction per (sequence, head)
+// rescales them to the common maximum M:  out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c.
+template <typename T>
+void attend_split(const Batch& b, int64_t chunks) {
+  const int64_t H = b.sh.num_heads, D = b.sh.head_dim, bs = b.sh.block_size;
+  const int64_t items = b.num_seqs * chunks;
+  const T* q = static_cast<const T*>(b.q);
+  std::vector<float> part_acc(items * H * D), part_m(items * H), part_l(items * H);
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    Scratch w(b.sh);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t s = item / chunks, c = item % chunks, len = b.lens[s];
+      const int64_t per = ((len + bs - 1) / bs + chunks - 1) / chunks;  // blocks per chunk
+      const int64_t t0 = std::min(c * per * bs, len), t1 = std::min((c + 1) * per * bs, len);
+      float* m = part_m.data() + item * H;
+      float* l = part_l.data() + item * H;
+      if (t0 >= t1) {  // a short sequence has fewer chunks than the longest
+        std::fill(m, m + H, -std::numeric_limits<float>::infinity());
+        std::fill(l, l + H, 0.f);
+        continue;
+      }
+      scaled_query(q + s * H * D, H, D, b.scale, w.q.data());
+      attend_chunk(b.sh, w.q.data(), static_cast<const T*>(b.k_cache),
+                   static_cast<const T*>(b.v_cache), b.tables + s * b.max_blocks, t0, t1, w,
+                   part_acc.data() + item * H * D, m, l);
+    }
+  });
+  T* out = static_cast<T*>(b.out);
+  at::parallel_for(0, b.num_seqs * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> o(D);
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const int64_t s = pair / H, h = pair % H;
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int64_t c = 0; c < chunks; ++c) mx = std::max(mx, part_m[(s * chunks + c) * H + h]);
+      std::fill(o.begin(), o.end(), 0.f);
+      float total = 0.f;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t item = s * chunks + c;
+        if (part_l[item * H + h] == 0.f) continue;
+        const float wt = std::exp(part_m[item * H + h] - mx);
+        total += wt * part_l[item * H + h];
+        const float* a = part_acc.data() + (item * H + h) * D;
+        for (int64_t d = 0; d < D; ++d) o[d] += wt * a[d];
+      }
+      store_scaled(out + pair * D, o.data(), 1.f / total, D);
+    }
+  });
+}
+
+void run(const Batch& b, int64_t chunks) {
+  if (b.is_bf16) {
+    chunks == 1 ? attend_per_sequence<uint16_t>(b) : attend_split<uint16_t>(b, chunks);
+  } else {
+    chunks == 1 ? attend_per_sequence<float>(b) : attend_split<float>(b, chunks);
+  }
+}

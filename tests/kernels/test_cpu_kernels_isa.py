@@ -1,0 +1,149 @@
+"""The C++ CPU kernels on every instruction-set path this CPU runs (AVX-512, AVX2, plain C++),
+in float32 and bfloat16, against plain torch in float32.
+
+A bf16 kernel reads bf16, computes in fp32 and rounds once when it stores, so it is compared
+with the fp32 reference on the same (bf16-representable) inputs within bf16 tolerance. The
+paths are forced with ``forced_isa``; on an AVX2-only host the AVX-512 cases skip, and CI on
+such a host still runs the AVX2 and scalar ones.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from kernel_testing import make_paged_batch, tolerance
+from torch.nn import functional as F
+
+from llmserve.kernels import cpu as cpu_kernels
+from llmserve.kernels.reference import ref_paged_attention
+from llmserve.layers.rotary import RotaryEmbedding
+
+pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(params=cpu_kernels.ISAS)
+def isa(request):
+    """Each path in turn, skipping those this CPU lacks."""
+    assert cpu_kernels.available(), "the C++ CPU kernels failed to build (see the log)"
+    if request.param not in cpu_kernels.supported_isas():
+        pytest.skip(f"this CPU cannot run the {request.param} kernels")
+    with cpu_kernels.forced_isa(request.param) as chosen:
+        assert chosen == request.param
+        yield chosen
+
+
+# (head_dim, block_size, num_heads, num_kv_heads, seq_lens): the per-sequence path (many
+# sequences) and the split-K path (a few long ones); head_dim 80 and 72 leave a tail of lanes
+DECODE_CASES = {
+    "hd64-bs16-gqa3": (64, 16, 9, 3, [1, 17, 70, 203]),
+    "hd80-bs32-mha": (80, 32, 4, 4, [9, 130, 5]),
+    "hd128-bs128-gqa8": (128, 128, 16, 2, [33, 64, 300]),
+    "hd72-bs64-mqa-split": (72, 64, 8, 1, [1000]),
+    "many-seqs-bs16": (64, 16, 6, 2, [(37 * i) % 300 + 1 for i in range(24)]),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", DECODE_CASES.values(), ids=DECODE_CASES.keys())
+def test_paged_decode_matches_fp32_reference(isa, case, dtype):
+    head_dim, block_size, num_heads, num_kv_heads, seq_lens = case
+    batch = make_paged_batch(
+        [1] * len(seq_lens), seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype
+    )
+    scale = head_dim**-0.5
+    out = cpu_kernels.paged_decode_attention(
+        batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, scale
+    )
+    ref = ref_paged_attention(
+        batch.q.float(),
+        batch.k_cache.float(),
+        batch.v_cache.float(),
+        batch.query_start_loc,
+        batch.seq_lens,
+        batch.block_tables,
+        scale,
+    )
+    assert out.dtype == dtype and not out.isnan().any()
+    torch.testing.assert_close(out.float(), ref, **tolerance(dtype))
+
+
+def test_paged_decode_rejects_mixed_dtypes():
+    batch = make_paged_batch([1], [5], 4, 2, 64, 8, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="all float32 or all bfloat16"):
+        cpu_kernels.paged_decode_attention(
+            batch.q.float(), batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, 0.1
+        )
+
+
+def _bf16_exact(*shape: int, scale: float = 1.0) -> torch.Tensor:
+    """Random values that bf16 represents exactly, as fp32 (the reference's input)."""
+    return (torch.randn(*shape) * scale).bfloat16().float()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("width", [576, 100, 7])  # vector body and tails of every width
+def test_rms_norm_and_fused_residual(isa, dtype, width):
+    x, residual, weight = (
+        _bf16_exact(37, width, scale=3),
+        _bf16_exact(37, width),
+        _bf16_exact(width),
+    )
+    tol = tolerance(dtype)
+    out = cpu_kernels.rms_norm(x.to(dtype), weight.to(dtype), 1e-5)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), F.rms_norm(x, (width,), weight, 1e-5), **tol)
+    x_in, res_in = x.to(dtype, copy=True), residual.to(dtype, copy=True)
+    out, res_out = cpu_kernels.fused_add_rms_norm_(x_in, res_in, weight.to(dtype), 1e-5)
+    assert out.data_ptr() == x_in.data_ptr() and res_out.data_ptr() == res_in.data_ptr()
+    summed = (x.to(dtype) + residual.to(dtype)).float()  # the residual stream rounds to dtype
+    torch.testing.assert_close(res_out.float(), summed, **tol)
+    torch.testing.assert_close(out.float(), F.rms_norm(summed, (width,), weight, 1e-5), **tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("width", [1536, 12, 5])
+def test_silu_and_mul(isa, dtype, width):
+    x = _bf16_exact(50, 2 * width, scale=6)
+    x[0, :4] = torch.tensor([-100.0, 100.0, -88.5, 0.0])  # exp's clamped range and zero
+    out = cpu_kernels.silu_and_mul(x.to(dtype))
+    assert out.shape == (50, width) and out.dtype == dtype
+    expected = F.silu(x[:, :width]) * x[:, width:]
+    tol = {"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float32 else tolerance(dtype)
+    torch.testing.assert_close(out.float(), expected, **tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_rotary_interleaved(isa, dtype):
+    head_dim, heads = 64, 12
+    rope = RotaryEmbedding(
+        head_dim, {"rope_theta": 10000.0, "rope_type": "default"}, 512, 512, kernels="torch"
+    )
+    qkv = _bf16_exact(20, (heads + 3) * head_dim)  # rotate the first 12 heads: a strided view
+    qk = qkv[:, : heads * head_dim]
+    positions = torch.randint(0, 512, (20,))
+    expected = rope.forward_interleaved(positions, qk)  # fp32
+    for cis in (rope.cis, rope.cis.to(dtype)):  # a bf16 model holds bf16 (cos, sin) pairs
+        x = qkv.to(dtype)[:, : heads * head_dim]
+        out = cpu_kernels.rotary_interleaved(x, positions, cis, head_dim)
+        assert out.dtype == dtype
+        tol = tolerance(torch.bfloat16 if torch.bfloat16 in (dtype, cis.dtype) else dtype)
+        torch.testing.assert_close(out.float(), expected, **tol)
+
+
+def test_bf16_rounds_to_nearest_even_and_keeps_nan(isa):
+    """The vector stores round as torch does: ties to even, NaN stays NaN, overflow is inf."""
+    up = (torch.randn(4, 64) * 10).bfloat16()
+    up[0, :5] = torch.tensor([float("nan"), float("inf"), -float("inf"), 1.0078125, 3e38])
+    gate = torch.full_like(up, 80.0)  # silu(80) == 80 in fp32: out = round(80 * up)
+    out = cpu_kernels.silu_and_mul(torch.cat([gate, up], dim=1))
+    expected = (up.float() * 80.0).bfloat16()
+    torch.testing.assert_close(out, expected, equal_nan=True, atol=0, rtol=0)
+
+
+def test_forcing_an_unknown_isa_raises():
+    with pytest.raises(RuntimeError, match="isa must be one of"):
+        with cpu_kernels.forced_isa("avx9000"):
+            pass
