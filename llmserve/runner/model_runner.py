@@ -201,10 +201,13 @@ class ModelRunner:
     def _row(self, item: ScheduledSeq, target, drafts: list[int] = ()) -> SamplingRow:
         """Sampling row of ``target``'s next token; after ``drafts`` when verifying them."""
         request = item.seq.request
+        output = item.seq.output_token_ids  # a fresh list (a slice)
+        if drafts:
+            output.extend(drafts)
         return SamplingRow(
             params=request.params,
             prompt_token_ids=request.prompt_token_ids,
-            output_token_ids=item.seq.output_token_ids + list(drafts),
+            output_token_ids=output,
             generator=self._generator(target),
             eos_token_id=self.eos_token_id,
         )

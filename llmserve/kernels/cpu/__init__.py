@@ -34,7 +34,9 @@ LIBRARY = NativeLibrary(
     name="llmserve_cpu_kernels",
     namespace="llmserve_cpu",
     sources=[_HERE / "paged_attention.cpp", _HERE / "fused.cpp"],
-    headers=[_HERE / n for n in ("vec.h", "isa.h", "paged_attention_impl.h", "fused_impl.h")],
+    headers=[
+        _HERE / n for n in ("vec.h", "isa.h", "per_isa.h", "paged_attention_impl.h", "fused_impl.h")
+    ],
     cflags=[],
     probe_ops=("silu_and_mul", "set_isa"),
 )

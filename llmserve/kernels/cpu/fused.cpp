@@ -25,44 +25,8 @@ namespace {
 constexpr int64_t kGrain = 16;  // rows per task at least: a row is a few microseconds
 }  // namespace
 
-namespace {  // internal: each file compiles its own copies
-namespace isa_scalar {
-using Vec = VecScalar;
-#include "fused_impl.h"
-}  // namespace isa_scalar
-}  // namespace
-
-#ifdef LLMSERVE_X86
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
-namespace {  // internal: each file compiles its own copies
-namespace isa_avx2 {
-using Vec = Vec256;
-#include "fused_impl.h"
-}  // namespace isa_avx2
-}  // namespace
-#pragma GCC pop_options
-
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")
-namespace {  // internal: each file compiles its own copies
-namespace isa_avx512 {
-using Vec = Vec512;
-#include "fused_impl.h"
-}  // namespace isa_avx512
-}  // namespace
-#pragma GCC pop_options
-
-// the body compiled for the ISA chosen at run time (isa.h)
-#define LLMSERVE_DISPATCH(...)                                               \
-  switch (llmserve::current_isa()) {                                         \
-    case llmserve::Isa::kAvx512: isa_avx512::__VA_ARGS__; break;             \
-    case llmserve::Isa::kAvx2: isa_avx2::__VA_ARGS__; break;                 \
-    default: isa_scalar::__VA_ARGS__;                                        \
-  }
-#else
-#define LLMSERVE_DISPATCH(...) isa_scalar::__VA_ARGS__
-#endif
+#define LLMSERVE_ISA_IMPL "fused_impl.h"
+#include "per_isa.h"
 
 namespace {
 

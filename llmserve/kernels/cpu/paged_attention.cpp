@@ -85,34 +85,8 @@ struct Scratch {
 
 }  // namespace
 
-namespace {  // internal: each file compiles its own copies
-namespace isa_scalar {
-using Vec = VecScalar;
-#include "paged_attention_impl.h"
-}  // namespace isa_scalar
-}  // namespace
-
-#ifdef LLMSERVE_X86
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
-namespace {  // internal: each file compiles its own copies
-namespace isa_avx2 {
-using Vec = Vec256;
-#include "paged_attention_impl.h"
-}  // namespace isa_avx2
-}  // namespace
-#pragma GCC pop_options
-
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")
-namespace {  // internal: each file compiles its own copies
-namespace isa_avx512 {
-using Vec = Vec512;
-#include "paged_attention_impl.h"
-}  // namespace isa_avx512
-}  // namespace
-#pragma GCC pop_options
-#endif
+#define LLMSERVE_ISA_IMPL "paged_attention_impl.h"
+#include "per_isa.h"
 
 namespace {
 
@@ -176,16 +150,7 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
   const Batch b = check_inputs(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
   if (b.num_seqs == 0) return;
   const int64_t chunks = num_chunks(b);
-  switch (llmserve::current_isa()) {
-#ifdef LLMSERVE_X86
-    case llmserve::Isa::kAvx512:
-      return isa_avx512::run(b, chunks);
-    case llmserve::Isa::kAvx2:
-      return isa_avx2::run(b, chunks);
-#endif
-    default:
-      return isa_scalar::run(b, chunks);
-  }
+  LLMSERVE_DISPATCH(run(b, chunks));
 }
 
 // "auto", "avx512", "avx2" or "scalar": the path every kernel of this library takes from now
