@@ -186,3 +186,44 @@ def test_shutdown_ends_streams_with_abort_and_refuses_new_requests():
             await engine.add_request("new", [1], SamplingParams())
 
     run(body)
+
+
+def test_built_engine_is_loaded_and_stepped_on_one_thread():
+    """``build`` runs the factory on the engine thread, which later runs every step (OpenMP
+    pools per thread: see async_engine's docstring)."""
+    threads = {}
+
+    class RecordingStub(StubEngine):
+        def __init__(self):
+            threads["built"] = threading.current_thread()
+            super().__init__()
+
+        def step(self):
+            threads.setdefault("stepped", set()).add(threading.current_thread())
+            return super().step()
+
+    engine = AsyncLLMEngine.build(RecordingStub)
+    assert not engine.is_alive  # waits for start
+
+    async def main():
+        engine.start()
+        try:
+            return await asyncio.wait_for(final(engine, "r"), TIMEOUT_S)
+        finally:
+            await asyncio.to_thread(engine.stop)
+
+    assert asyncio.run(main()).finished
+    assert threads["built"] is not threading.main_thread()
+    assert threads["stepped"] == {threads["built"]}
+    assert not threads["built"].is_alive()
+
+
+def test_build_raises_the_factory_error_and_a_built_engine_stops_unstarted():
+    def broken():
+        raise ValueError("no such model")
+
+    with pytest.raises(ValueError, match="no such model"):
+        AsyncLLMEngine.build(broken)
+    engine = AsyncLLMEngine.build(StubEngine)
+    engine.stop()
+    assert not engine._thread.is_alive()

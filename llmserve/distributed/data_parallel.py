@@ -54,7 +54,9 @@ class ReplicaActor:
         from llmserve.engine.async_engine import AsyncLLMEngine
         from llmserve.engine.llm_engine import LLMEngine
 
-        self.engine = AsyncLLMEngine(LLMEngine.from_kwargs(**engine_kwargs), max_num_waiting)
+        self.engine = AsyncLLMEngine.build(
+            lambda: LLMEngine.from_kwargs(**engine_kwargs), max_num_waiting
+        )
         self.streams: dict[str, RequestStream] = {}  # so that abort can end a stream
 
     def _ensure_started(self) -> None:

@@ -76,8 +76,8 @@ def run_server(args: argparse.Namespace) -> int:
         async_engine = DataParallelEngine(config, max_num_waiting=args.max_num_waiting)
         engine = async_engine.engine
     else:
-        engine = LLMEngine(config)
-        async_engine = AsyncLLMEngine(engine, max_num_waiting=args.max_num_waiting)
+        async_engine = AsyncLLMEngine.build(lambda: LLMEngine(config), args.max_num_waiting)
+        engine = async_engine.engine
     app = build_app(async_engine, api_key=args.api_key)
     config = uvicorn.Config(
         app,
