@@ -30,6 +30,7 @@ ARCH = {  # HF model_type -> llama.cpp architecture
     "qwen3_moe": "qwen3moe",
     "mpt": "mpt",
     "mixtral": "llama",
+    "llama": "llama",
 }
 
 

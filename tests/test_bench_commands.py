@@ -50,8 +50,14 @@ def has_hf_continuous_batching() -> bool:
 def test_throughput_llmserve_and_peers(tmp_path, capsys):
     out = tmp_path / "throughput.json"
     argv = ["bench", "throughput", "--backend", "all", "--hf-batch-size", "2", *TINY, *SMALL_ENGINE]
+    ids_file = tmp_path / "prompt_ids.json"
+    argv += ["--save-prompt-ids", str(ids_file)]
     assert main([*argv, "--num-prompts", "2", "--output-json", str(out)]) == 0
     report = read_json(out)
+    prompt_ids = read_json(ids_file)  # for a peer that runs the same ids
+    assert len(prompt_ids) == 2 and all(
+        ids and all(type(t) is int for t in ids) for ids in prompt_ids
+    )
     assert all(report[k] > 0 for k in HEADLINE)
     results = {r["backend"]: r for r in report["results"]}
     expected = {"llmserve", "transformers"} | (
@@ -194,3 +200,43 @@ def test_serve_benchmark_against_real_server(server, tmp_path):
     report = read_json(out)
     assert report["completed"] == 3 and report["max_concurrency"] == 1
     assert report["request_rate"] == "inf"
+
+
+def test_export_hf_writes_a_plain_directory_with_the_gguf_weights(tmp_path):
+    """The vLLM-CPU peer reads an HF directory: same weights as transformers reads from the
+    GGUF, and no quantization_config left that would send vLLM looking for "gguf"."""
+    import gguf
+    import torch
+    import transformers as T
+
+    from llmserve.benchmarks.export_hf import export_hf
+    from llmserve.loader.default_model import default_model_path
+    from tests.gguf_writer import read_vocabulary, write_gguf
+
+    torch.manual_seed(0)
+    config = T.LlamaConfig(
+        vocab_size=49152,  # the default model's vocabulary, which transformers can read
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    T.LlamaForCausalLM(config).save_pretrained(tmp_path / "hf")
+    vocabulary = read_vocabulary(default_model_path())
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    write_gguf(str(tmp_path / "tiny.gguf"), str(tmp_path / "hf"), q8, vocabulary)
+    out = export_hf(str(tmp_path / "tiny.gguf"), str(tmp_path / "out"))
+    assert "quantization_config" not in read_json(tmp_path / "out" / "config.json")
+    ids = torch.tensor([[1, 5, 9, 200, 3]])
+    direct = T.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file="tiny.gguf", dtype=torch.float32
+    )
+    exported = T.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    torch.testing.assert_close(exported(ids).logits, direct(ids).logits, rtol=0, atol=0)
+    text = "SELECT name FROM users;"
+    assert T.AutoTokenizer.from_pretrained(out).encode(text) == T.AutoTokenizer.from_pretrained(
+        str(tmp_path), gguf_file="tiny.gguf"
+    ).encode(text)

