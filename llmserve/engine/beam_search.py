@@ -8,8 +8,8 @@ request as a whole (``select``):
     best first: an EOS candidate ranked within the first ``width`` becomes a finished
         hypothesis; the others extend beams until ``width`` beams exist
 
-and the scheduler applies the choice (``Scheduler._beam_step``): the first beam continuing
-from a parent *is* the parent; every further one is a fork of it, sharing all its KV blocks
+and the scheduler applies the choice (``Scheduler._beam_step``, with ``assign``): the first
+beam continuing from a parent *is* the parent; every further one is a fork of it, sharing all its KV blocks
 through reference counts (the last, partial block copied on write when both append); a
 beam that no candidate continues is pruned and its blocks are released at once.
 
@@ -91,6 +91,21 @@ def select(
         if len(continuations) == width:
             break
     return continuations, finished
+
+
+def assign(continuations: list[Continuation], seqs: list, waiting: list) -> tuple[list, list]:
+    """The sequence each continuation goes to, as ``(target, continuation)`` pairs: the first
+    from a parent is the parent; the others take a spare sequence (one no continuation comes
+    from, not waiting to be recomputed), which becomes a fork of the parent. Also returns the
+    spares left over: the pruned beams."""
+    parents = {id(c.parent) for c in continuations}
+    spare = [s for s in seqs if s not in waiting and id(s) not in parents]
+    plan, taken = [], set()
+    for c in continuations:
+        target = c.parent if id(c.parent) not in taken else spare.pop()
+        taken.add(id(c.parent))
+        plan.append((target, c))
+    return plan, spare
 
 
 def is_done(

@@ -181,13 +181,7 @@ class Scheduler:
         width = params.n - len(waiting)  # preempted siblings keep their places
         continuations, finished = beam_search.select(beams, width, eos_token_id, params.ignore_eos)
         state.hypotheses.extend(finished)
-        parents = {id(c.parent) for c in continuations}
-        spare = [s for s in request.seqs if s not in waiting and id(s) not in parents]
-        plan, taken = [], set()
-        for c in continuations:  # the first beam from a parent is the parent; others fork it
-            target = c.parent if id(c.parent) not in taken else spare.pop()
-            taken.add(id(c.parent))
-            plan.append((target, c))
+        plan, spare = beam_search.assign(continuations, request.seqs, waiting)
         for target, c in plan:
             if target is not c.parent:
                 self._become_fork(target, c.parent)
@@ -209,11 +203,7 @@ class Scheduler:
     def _become_fork(self, child: Sequence, parent: Sequence) -> None:
         """Turn ``child`` (pruned or not yet started) into a copy of ``parent``'s beam."""
         self.block_manager.free(child)
-        child.token_ids = list(parent.token_ids)
-        child.num_computed_tokens = parent.num_computed_tokens
-        child.num_cached_tokens = parent.num_cached_tokens
-        child.draft_num_computed_tokens = parent.draft_num_computed_tokens
-        self.block_manager.fork(parent, child)
+        self._copy_progress(child, parent)
         if child.status is not SequenceStatus.RUNNING:
             child.status, child.finish_reason = SequenceStatus.RUNNING, None
             self._insert(self.running, child)
@@ -395,15 +385,19 @@ class Scheduler:
         """Start the request's other sequences on ``parent``'s blocks."""
         request = parent.request
         for child in request.seqs[1:]:
-            child.token_ids = list(parent.token_ids)
-            child.num_computed_tokens = parent.num_computed_tokens
-            child.num_cached_tokens = parent.num_cached_tokens
-            child.draft_num_computed_tokens = parent.draft_num_computed_tokens
-            self.block_manager.fork(parent, child)
+            self._copy_progress(child, parent)
             child.status = SequenceStatus.RUNNING
             self._insert(self.running, child)
         request.is_forked = True
         return request.seqs
+
+    def _copy_progress(self, child: Sequence, parent: Sequence) -> None:
+        """``child`` takes ``parent``'s tokens and progress, on ``parent``'s KV blocks."""
+        child.token_ids = list(parent.token_ids)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_cached_tokens = parent.num_cached_tokens
+        child.draft_num_computed_tokens = parent.draft_num_computed_tokens
+        self.block_manager.fork(parent, child)
 
     def _key(self, seq: Sequence) -> tuple:
         request = seq.request
