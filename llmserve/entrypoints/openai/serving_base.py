@@ -131,6 +131,10 @@ class ServingBase:
         self, streams: list[RequestStream]
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(stream index, output) pairs in arrival order, until every stream finishes."""
+        if len(streams) == 1:  # the usual request: no task and wait set per token
+            while not streams[0].is_finished:
+                yield 0, await streams[0].get()
+            return
         pending = {asyncio.ensure_future(s.get()): i for i, s in enumerate(streams)}
         try:
             while pending:
