@@ -276,7 +276,15 @@ def run_cpu(args: argparse.Namespace) -> dict:
 
 
 def print_report(report: dict) -> None:
-    cpu = report["cpu"]
+    if report.get("cpu"):
+        print_cpu(report["cpu"])
+    if report.get("gpu"):
+        from llmserve.benchmarks.attention_gpu import print_gpu
+
+        print_gpu(report["gpu"])
+
+
+def print_cpu(cpu: dict) -> None:
     print(
         f"\nCPU decode step, batch {cpu['step'][0]['batch']}, {cpu['model']}, {cpu['threads']} threads, "
         f"attention backend {cpu.get('backend', 'torch')}"
@@ -290,10 +298,6 @@ def print_report(report: dict) -> None:
     cols = ("context", "paged_path", "paged_ms", "paged_torch_ms", "contiguous_sdpa_ms", "ratio",
             "ratio_torch", "ratio_of_min", "kv_mib", "paged_gbs", "max_abs_diff")  # fmt: skip
     print(format_table(cols, [[r[c] for c in cols] for r in cpu["paged_vs_contiguous"]]))
-    if report.get("gpu"):
-        from llmserve.benchmarks.attention_gpu import print_gpu
-
-        print_gpu(report["gpu"])
 
 
 def _shape(text: str) -> tuple[int, int]:
@@ -316,6 +320,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--contexts", type=int, nargs="+", default=[256, 1024, 4096])
     p.add_argument("--repeats", type=int, default=10, help="timed runs (medians reported)")
     p.add_argument("--skip-gpu", action="store_true", help="CPU measurements only")
+    p.add_argument("--skip-cpu", action="store_true", help="GPU measurements only")
     p.add_argument("--prefill-lens", type=int, nargs="+", default=[1024, 4096, 16384])
     p.add_argument("--decode-shapes", type=_shape, nargs="+", default=[(32, 1024), (64, 4096)],
                    help="BATCHxCONTEXT pairs for the decode bandwidth")  # fmt: skip
@@ -332,7 +337,8 @@ def main(argv: list[str] | None = None) -> dict:
 
 def run(args: argparse.Namespace) -> dict:
     report: dict[str, Any] = {"machine": machine_info(), "args": vars(args)}
-    report["cpu"] = run_cpu(args)
+    if not args.skip_cpu:
+        report["cpu"] = run_cpu(args)
     if torch.cuda.is_available() and not args.skip_gpu:
         from llmserve.benchmarks.attention_gpu import run_gpu
 

@@ -158,15 +158,17 @@ def decode_bandwidth(
 
 
 # ---- GPU: decode throughput with and without CUDA graphs ------------------------------------
-def write_llama_1b(path: str) -> str:
-    """Config (~1B parameters) and the default model's tokenizer; weights come from dummy."""
+def write_llama_1b(path: str, tokenizer_model: str | None) -> str:
+    """Config (~1B parameters) and ``tokenizer_model``'s tokenizer (None: the default model's);
+    the weights come from ``--load-format dummy``."""
     from transformers import LlamaConfig
 
     from llmserve.tokenizer import get_tokenizer
 
-    tokenizer = get_tokenizer(None)
+    tokenizer = get_tokenizer(tokenizer_model)
     LlamaConfig(
         **LLAMA_1B,
+        architectures=["LlamaForCausalLM"],
         vocab_size=len(tokenizer),
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -213,9 +215,11 @@ def decode_throughput(
     return rows, tokens
 
 
-def graphs_vs_eager(batch_sizes: list[int], prompt_len: int, output_len: int) -> dict:
+def graphs_vs_eager(
+    batch_sizes: list[int], prompt_len: int, output_len: int, tokenizer_model: str | None
+) -> dict:
     with tempfile.TemporaryDirectory() as path:
-        write_llama_1b(path)
+        write_llama_1b(path, tokenizer_model)
         eager, eager_tokens = decode_throughput(path, True, batch_sizes, prompt_len, output_len)
         graphs, graph_tokens = decode_throughput(path, False, batch_sizes, prompt_len, output_len)
     rows = [
@@ -242,7 +246,7 @@ def run_gpu(args: argparse.Namespace) -> dict:
         "copy_gbs": copy_gbs(device, args.repeats),
         "decode": [decode_bandwidth(b, c, args.repeats, peak) for b, c in args.decode_shapes],
         "graphs": graphs_vs_eager(
-            args.graph_batch_sizes, args.graph_prompt_len, args.graph_output_len
+            args.graph_batch_sizes, args.graph_prompt_len, args.graph_output_len, args.model
         ),
     }
 

@@ -21,6 +21,12 @@ import triton
 import triton.language as tl
 
 
+def dot_precision(dtype: torch.dtype) -> str | None:
+    """tl.dot's input_precision: exact products for fp32 (the default rounds them to tf32 on
+    NVIDIA GPUs), the default for 16-bit inputs."""
+    return "ieee" if dtype == torch.float32 else None
+
+
 @triton.jit
 def load_kv_tile(
     cache_ptr,
@@ -69,6 +75,7 @@ def _flash_attn_varlen_paged_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs: tl.dot would round them to tf32
 ):
     pid_m = tl.program_id(0)
     seq = tl.program_id(1) // num_heads
@@ -105,7 +112,7 @@ def _flash_attn_varlen_paged_kernel(
             k_cache_ptr, table_ptr, offs_n, offs_d, n_mask, d_mask, kv_head,
             block_size, stride_cb, stride_cs, stride_ch,
         )  # fmt: skip
-        s = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_M, BLOCK_N]
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [BLOCK_M, BLOCK_N]
         rel = offs_n[None, :] - query_pos[:, None]  # [BLOCK_M, BLOCK_N], key_pos - query_pos
         if HAS_ALIBI:
             s += slope * rel.to(tl.float32)
@@ -119,7 +126,8 @@ def _flash_attn_varlen_paged_kernel(
             v_cache_ptr, table_ptr, offs_n, offs_d, n_mask, d_mask, kv_head,
             block_size, stride_cb, stride_cs, stride_ch,
         )  # fmt: skip
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)  # [BLOCK_M, HEAD_DIM_PAD]
+        pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)  # [BLOCK_M, HEAD_DIM_PAD]
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
 
     acc = acc / l_i[:, None]
@@ -169,5 +177,6 @@ def flash_attn_varlen_paged(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         HEAD_DIM_PAD=head_dim_pad,
+        DOT_PRECISION=dot_precision(q.dtype),
     )  # fmt: skip
     return out

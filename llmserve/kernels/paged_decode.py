@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .flash_attention import load_kv_tile
+from .flash_attention import dot_precision, load_kv_tile
 
 _BLOCK_N = 64
 _MAX_SPLITS = 16
@@ -52,6 +52,7 @@ def _decode_partial_kernel(
     BLOCK_N: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs: tl.dot would round them to tf32
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -82,7 +83,7 @@ def _decode_partial_kernel(
             k_cache_ptr, table_ptr, offs_n, offs_d, n_mask, d_mask, kv_head,
             block_size, stride_cb, stride_cs, stride_ch,
         )  # fmt: skip
-        s = tl.dot(q, tl.trans(k)) * scale  # [GROUP_PAD, BLOCK_N]
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [GROUP_PAD, BLOCK_N]
         if HAS_ALIBI:
             rel = (offs_n - (seq_len - 1)).to(tl.float32)  # [BLOCK_N] key_pos - query_pos
             s += slopes[:, None] * rel[None, :]
@@ -96,7 +97,8 @@ def _decode_partial_kernel(
             v_cache_ptr, table_ptr, offs_n, offs_d, n_mask, d_mask, kv_head,
             block_size, stride_cb, stride_cs, stride_ch,
         )  # fmt: skip
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)  # [GROUP_PAD, HEAD_DIM_PAD]
+        pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)  # [GROUP_PAD, HEAD_DIM_PAD]
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
 
     part = (seq * num_heads + heads) * NUM_SPLITS + split  # [GROUP_PAD] flat (seq, head, split)
@@ -201,6 +203,7 @@ def paged_decode_attention(
         BLOCK_N=_BLOCK_N,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM_PAD=head_dim_pad,
+        DOT_PRECISION=dot_precision(q.dtype),
     )  # fmt: skip
     _decode_reduce_kernel[(num_seqs, num_heads)](
         part_max, part_sum, part_acc, out, num_heads, head_dim, out.stride(0), out.stride(1),

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from llmserve.quantization.layout import QuantizedWeight
 
@@ -302,11 +303,33 @@ def quant_matmul(
 
 
 def _launch(x, weight, bias, out, cfg, grid_mn, split_k, tiles_per_split) -> None:
+    upcast = x.dtype == torch.bfloat16 and _is_interpreted()
+    key = (cfg, x.dtype, weight.bits, weight.group_size, weight.mins is not None,
+           weight.lut is not None, weight.perm is not None, bias is not None)  # fmt: skip
+    stages = _STAGES.get(key, cfg.num_stages)
+    while True:
+        try:
+            _launch_stages(
+                x, weight, bias, out, cfg, grid_mn, split_k, tiles_per_split, upcast, stages
+            )
+            break
+        except OutOfResources:
+            if stages == 1:
+                raise
+            stages -= 1  # that pipeline's shared memory exceeds this GPU's: a shallower one
+    _STAGES[key] = stages
+
+
+# Pipeline depth that fits shared memory, per kernel specialization, found at first launch
+# (the 4-stage decode tile with fp32 x or per-group mins needs more than an H100's 227 KiB).
+_STAGES: dict[tuple, int] = {}
+
+
+def _launch_stages(x, weight, bias, out, cfg, grid_mn, split_k, tiles_per_split, upcast, stages):
     m, k = x.shape
     n = weight.shape[0]
     stride_os = out.stride(0) if out.dim() == 3 else 0
     placeholder = weight.scales  # any tensor, for pointer args of absent inputs
-    upcast = x.dtype == torch.bfloat16 and _is_interpreted()
     _quant_matmul_kernel[(*grid_mn, split_k)](
         x, weight.qweight, weight.scales,
         placeholder if weight.mins is None else weight.mins,
@@ -331,5 +354,5 @@ def _launch(x, weight, bias, out, cfg, grid_mn, split_k, tiles_per_split) -> Non
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        num_stages=stages,
     )  # fmt: skip

@@ -67,6 +67,12 @@ class LLMInt8Linear(nn.Module):
         """Resident bytes of the quantized weight (``CB`` and ``SCB``; the bias not counted)."""
         return self.CB.numel() * self.CB.element_size() + self.SCB.numel() * self.SCB.element_size()
 
+    @property
+    def graph_capturable(self) -> bool:
+        """Whether a CUDA graph can record forward: not with outliers, whose columns
+        (``nonzero``) and count change with every input."""
+        return self.threshold == 0
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         leading = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).float()  # [T, K]

@@ -185,6 +185,12 @@ def split_quantized(
     return quantized, biases, floats
 
 
+def graph_capturable(model: nn.Module) -> bool:
+    """False when a layer's forward depends on its input's values (LLM.int8 outliers), so a
+    captured CUDA graph would replay the wrong shapes."""
+    return all(getattr(m, "graph_capturable", True) for m in model.modules())
+
+
 def weight_bytes_by_dtype(model: nn.Module) -> dict[str, int]:
     """Resident weight bytes by storage type: float parameters by dtype, quantized values as
     int4 / int8 and their scales (and mins) as "scales"."""

@@ -154,6 +154,12 @@ def create_runner(
     if use_graphs and has_eager_attention(model, max_model_len):
         logger.info("CUDA graphs off: ALiBi, soft-capping or sliding windows run eager attention")
         use_graphs = False
+    if use_graphs and not quantization.graph_capturable(model):
+        logger.info(
+            "CUDA graphs off: LLM.int8 picks its outlier columns from each input "
+            "(--llm-int8-threshold 0 has none and keeps the graphs)"
+        )
+        use_graphs = False
     if use_graphs:
         graphs = CUDAGraphRunner(
             model, caches, config.scheduler.max_num_seqs, max_model_len, spec.block_size, device

@@ -3,13 +3,19 @@
 TRITON_INTERPRET must be set before any kernel module is imported (Triton reads it when a
 kernel is decorated); llmserve.kernels imports its kernel modules lazily, so setting it here
 is early enough even if Triton itself was already imported.
+
+On a GPU machine, ``LLMSERVE_KERNEL_TEST_DEVICE=cuda pytest tests/kernels`` compiles the
+Triton kernels for the GPU instead and runs every test that takes the ``kernels`` fixture
+with CUDA as torch's default device (the C++ CPU kernel tests stay on the CPU).
 """
 
 from __future__ import annotations
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"
+DEVICE = os.environ.get("LLMSERVE_KERNEL_TEST_DEVICE", "cpu")
+if DEVICE == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
 
@@ -29,4 +35,13 @@ def kernels():
     import llmserve.kernels as kernels
 
     assert kernels.is_triton_available()
-    return kernels
+    if DEVICE == "cpu":
+        yield kernels
+        return
+    import torch
+
+    torch.set_default_device(DEVICE)
+    try:
+        yield kernels
+    finally:
+        torch.set_default_device(None)

@@ -37,6 +37,29 @@ def make_paged_batch(
     seed: int = 0,
 ) -> PagedBatch:
     """Random context for each sequence, scattered over shuffled blocks of a larger pool."""
+    device = torch.get_default_device()  # built on the CPU (its generator), then moved there
+    with torch.device("cpu"):
+        batch = _make_paged_batch(
+            q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed
+        )
+    move = lambda t: t.to(device)  # noqa: E731
+    return PagedBatch(
+        move(batch.q), move(batch.k_cache), move(batch.v_cache), move(batch.query_start_loc),
+        move(batch.seq_lens), move(batch.block_tables), [move(k) for k in batch.keys],
+        [move(v) for v in batch.values], batch.max_query_len,
+    )  # fmt: skip
+
+
+def _make_paged_batch(
+    q_lens: list[int],
+    seq_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    seed: int,
+) -> PagedBatch:
     gen = torch.Generator().manual_seed(seed)
     blocks_per_seq = [-(-s // block_size) for s in seq_lens]
     num_blocks = sum(blocks_per_seq) + 3  # spare blocks no sequence owns

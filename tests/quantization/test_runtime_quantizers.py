@@ -21,6 +21,7 @@ from llmserve.quantization.int8 import quantize_int8
 from llmserve.quantization.layout import reference_linear, unpack_int4
 from llmserve.quantization.linear import QuantLinear
 from llmserve.quantization.llm_int8 import LLMInt8Linear, int8_matmul
+from llmserve.quantization.loading import graph_capturable
 
 
 @pytest.fixture(autouse=True)
@@ -275,6 +276,16 @@ def test_llm_int8_state_and_shapes():
     assert layer(x.bfloat16()).dtype == torch.bfloat16
     assert layer(torch.randn(0, 64)).shape == (0, 40)
     assert layer.to(torch.device("cpu")).CB.dtype == torch.int8
+
+
+def test_llm_int8_with_outliers_is_not_graph_capturable():
+    """Outlier columns come from each input (nonzero): a CUDA graph would freeze them, so the
+    worker runs such a model eager; threshold 0 and the other methods keep the graphs."""
+    w = torch.randn(8, 32)
+    model = torch.nn.Sequential(QuantLinear([quantize_int8(w)]), LLMInt8Linear(w, None, 6.0))
+    assert not graph_capturable(model)
+    model[1] = LLMInt8Linear(w, None, threshold=0.0)
+    assert graph_capturable(model)
 
 
 def test_llm_int8_matches_bitsandbytes():
