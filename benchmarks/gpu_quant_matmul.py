@@ -38,7 +38,7 @@ def _weights(n: int, k: int, device: torch.device):
 
 
 def kernels(args: argparse.Namespace) -> dict:
-    from triton.testing import do_bench
+    from triton.testing import do_bench_cudagraph as do_bench  # GPU time, no launch gaps
 
     from llmserve.kernels.quant_matmul import quant_matmul
     from llmserve.quantization.layout import reference_linear

@@ -26,13 +26,18 @@ def _run(llm: LLM) -> list:
     return [o.outputs[0] for o in outputs]
 
 
+# The logits are bf16: at the default model's magnitudes (16-32) one bf16 step is 0.125, and
+# the two backends may round a logit one step apart each way (seen on a CI host: 0.20).
+_LOGPROB_TOL = 0.3
+
+
 def _assert_agree(got: list, expected: list) -> float:
     """Tier-3 agreement of two runs; returns the fraction of tokens before each divergence."""
     agreed = 0
     for a, b in zip(got, expected):
         first_a, first_b = a.logprobs[0], b.logprobs[0]
         for token in set(first_a) & set(first_b):
-            assert abs(first_a[token] - first_b[token]) < 0.15, (token, first_a, first_b)
+            assert abs(first_a[token] - first_b[token]) < _LOGPROB_TOL, (token, first_a, first_b)
         n = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
         if n is None:
             agreed += len(a.token_ids)

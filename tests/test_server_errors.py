@@ -10,6 +10,7 @@ import asyncio
 import json
 import signal
 import threading
+import time
 
 import httpx
 import openai
@@ -231,8 +232,25 @@ def test_back_pressure_is_503_with_retry_after(server):
 
 
 # ---- client disconnects -------------------------------------------------------------------
+def _settled_metrics(server) -> dict:
+    """/metrics once the abort counter has stopped moving: a previous test's disconnected
+    streams are counted as the engine gets to them, after the queues already read empty."""
+    aborted, last = _ABORTED, None
+    for _ in range(50):
+        metrics = server.metrics()
+        if last is not None and metrics.get(aborted, 0) == last.get(aborted, 0):
+            return metrics
+        last = metrics
+        time.sleep(0.5)
+    raise AssertionError(f"{aborted} still moving after 25 s")
+
+
+_ABORTED = 'llmserve:request_success_total{finished_reason="abort"}'
+
+
 def test_disconnect_mid_stream_aborts(server):
-    before = server.metrics()
+    wait_idle(server)
+    before = _settled_metrics(server)
     body = {**LONG, "model": MODEL, "stream": True}
     with httpx.stream(
         "POST", server.url + _COMPLETION, json=body, headers=AUTH, timeout=TIMEOUT
@@ -240,13 +258,13 @@ def test_disconnect_mid_stream_aborts(server):
         lines = r.iter_lines()
         assert sum(1 for _, line in zip(range(6), lines) if line.startswith("data: {")) >= 2
     wait_idle(server)
-    after = server.metrics()
+    server.wait_for_metric(_ABORTED, lambda v: v > before.get(_ABORTED, 0))
+    after = _settled_metrics(server)
     generated = (
         after["llmserve:generation_tokens_total"] - before["llmserve:generation_tokens_total"]
     )
     assert generated < LONG["max_tokens"]
-    aborted = 'llmserve:request_success_total{finished_reason="abort"}'
-    assert after[aborted] == before.get(aborted, 0) + 1
+    assert after[_ABORTED] == before.get(_ABORTED, 0) + 1
 
 
 def test_disconnect_while_waiting_for_a_non_streamed_response_aborts(server):
