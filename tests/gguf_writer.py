@@ -41,8 +41,8 @@ def write_gguf(
     vocabulary: dict[str, Any] | None = None,
 ) -> None:
     """Convert the fp32 checkpoint saved in ``hf_dir`` to a GGUF file at ``path``; with
-    ``qtype``, every matrix but the position table in ``qtype``'s blocks (as llama-quantize);
-    with ``vocabulary`` (``read_vocabulary``), that tokenizer instead of the byte-level toy."""
+    ``qtype``, every matrix but the position table and the MoE router in ``qtype``'s blocks
+    (as llama-quantize); with ``vocabulary`` (``read_vocabulary``), that tokenizer instead of the byte-level toy."""
     config = T.AutoConfig.from_pretrained(hf_dir)
     arch = ARCH[config.model_type]
     writer = gguf.GGUFWriter(path, arch)
@@ -62,7 +62,7 @@ def write_gguf(
         gguf_name = name_map.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gguf_name is not None, name
         array = tensor.contiguous().numpy()
-        if qtype is not None and array.ndim == 2 and "position_embd" not in gguf_name:
+        if qtype is not None and array.ndim in (2, 3) and not _kept_float(gguf_name):
             writer.add_tensor(gguf_name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(gguf_name, array)
@@ -70,6 +70,12 @@ def write_gguf(
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def _kept_float(gguf_name: str) -> bool:
+    """What llama-quantize leaves unquantized among matrices: the position table and the
+    MoE router (``ffn_gate_inp``); stacked experts (3-D) are quantized like any matrix."""
+    return "position_embd" in gguf_name or "ffn_gate_inp" in gguf_name
 
 
 def _metadata(c: Any) -> dict[str, Any]:

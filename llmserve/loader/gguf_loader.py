@@ -354,7 +354,7 @@ def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 def _is_quantized(tensor: gguf.ReaderTensor) -> bool:
     qtype = gguf.GGMLQuantizationType(tensor.tensor_type)
-    return len(tensor.shape) == 2 and qtype not in _PLAIN_TYPES and qtype not in FLOAT_TYPES
+    return len(tensor.shape) in (2, 3) and qtype not in _PLAIN_TYPES and qtype not in FLOAT_TYPES
 
 
 def check_gguf_quantized_types(path: str) -> None:
@@ -421,9 +421,15 @@ def _iter_gguf(path: str, keep_quantized: bool) -> Iterator[tuple[str, Any]]:
 def _split_experts(
     name: str, tensor: gguf.ReaderTensor, keep_quantized: bool
 ) -> Iterator[tuple[str, Any]]:
-    """One ``[num_experts, out, in]`` GGUF tensor -> ``[out, in]`` per expert."""
+    """One ``[num_experts, out, in]`` GGUF tensor -> ``[out, in]`` per expert (each expert's
+    rows of blocks as its own quantized weight when ``keep_quantized``)."""
     if keep_quantized and _is_quantized(tensor):
-        raise ValueError(f"{tensor.name}: --quantization gguf does not run expert tensors")
+        num_experts, rows, cols = (int(dim) for dim in reversed(tensor.shape))
+        blocks = tensor.data.reshape(num_experts, rows, -1)  # [E, out, bytes per row]
+        for expert in range(num_experts):
+            weight = gguf_to_internal(tensor.name, tensor.tensor_type, blocks[expert], (rows, cols))
+            yield name.format(expert=expert), weight
+        return
     stacked = dequantize_tensor(tensor)  # [num_experts, out, in]
     for expert, weight in enumerate(stacked):
         yield name.format(expert=expert), weight

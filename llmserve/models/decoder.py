@@ -342,19 +342,19 @@ class DecoderLM(nn.Module):
     ) -> tuple[str | None, int | None, torch.Tensor | None]:
         """Where a quantized ``[out, in]`` checkpoint weight goes: (our parameter or None to
         skip, its part of a fused parameter as in ``shard_sizes`` or None, the order its rows
-        are stored in or None)."""
+        are stored in or None). An expert's weight goes to its own layer,
+        ``layers.L.mlp.experts13.E`` (gate, up) or ``experts2.E`` (down), which the loader
+        makes by unstacking that mixture-of-experts layer."""
         name = self.target(hf_name)
         if name is None:
             return None, None, None
         name, _, part = name.partition("#")
         if name == "lm_head.weight" and self.tie_word_embeddings:
             return None, None, None
-        if part.isdigit() or ":" in part:
-            raise ValueError(
-                f"{type(self).__name__}: {hf_name} is a quantized expert weight; the grouped "
-                "mixture-of-experts layer computes on float weights only (load the float "
-                "checkpoint, or the GGUF file without --quantization gguf)"
-            )
+        if part.isdigit() or ":" in part:  # expert E of a stacked MoE parameter
+            expert, _, part = part.partition(":")
+            moe, _, stacked = name.removesuffix(".weight").rpartition(".")  # layers.L.mlp, w13
+            name = f"{moe}.experts{stacked.removeprefix('w')}.{expert}.weight"
         shard = {"q": 0, "k": 1, "v": 2, "gate": 0, "up": 1}[part] if part else None
         return name, shard, self.row_order(hf_name, num_rows)
 

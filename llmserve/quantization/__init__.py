@@ -25,8 +25,13 @@ llama.cpp does.
 
 The checkpoint methods (gguf, gptq, awq) install into every model family: each model's
 ``quantized_placement`` maps a checkpoint weight to its layer through the family's own names
-(fused q/k/v and gate/up parts, per-head qkv rows, GPT-2's Conv1D packed as a Linear). Stacked
-mixture-of-experts weights stay float; a quantized expert is refused, naming the family.
+(fused q/k/v and gate/up parts, per-head qkv rows, GPT-2's Conv1D packed as a Linear).
+
+Mixture-of-experts layers (Mixtral, Qwen3-MoE) are quantized expert by expert: every method
+unstacks the layer's experts into one linear layer per expert and projection and swaps each
+like any other (a GGUF file's stacked ``ffn_*_exps`` blocks are split per expert, a GPTQ/AWQ
+checkpoint's ``experts.E.*`` layers placed one by one); the router stays float, and a
+checkpoint that quantizes only some of a layer's experts is refused.
 
 Own post-training quantizers (``quantizers/``: RTN, GPTQ, AWQ; ``llmserve quantize``) write
 GPTQ / AWQ checkpoints that the ``gptq`` / ``awq`` rows above load: rtn and gptq for every

@@ -3,7 +3,8 @@
 Two routes, chosen by the method:
 
     run-time methods (int8, llm_int8, nf4, fp4):  load the float checkpoint as usual, then swap
-        every ``nn.Linear`` but the LM head for its quantized form (gpt-fast's module swap)
+        every ``nn.Linear`` but the LM head and the MoE routers for its quantized form
+        (gpt-fast's module swap); stacked experts are unstacked into one linear each first
     checkpoint methods (gguf, gptq, awq):  the checkpoint's linear weights are already
         quantized; each is converted to the internal layout (``layout.py``), the parts of a
         fused projection (q/k/v, gate/up) gathered, and the module swapped; every other tensor
@@ -18,6 +19,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from llmserve.layers.moe import SparseMoE, expert_layer_name
 from llmserve.quantization.layout import QuantizedWeight
 from llmserve.quantization.linear import QuantEmbedding, QuantLinear
 from llmserve.quantization.llm_int8 import LLMInt8Linear
@@ -51,20 +53,31 @@ def check_runtime_shapes(model: nn.Module, method: str) -> None:
     """Refuse, before any work, a layer whose input size the method cannot group."""
     multiple = 64 if method in ("nf4", "fp4") else 32
     for name, module in model.named_modules():
+        sizes = []
         if isinstance(module, nn.Linear) and name != "lm_head":
-            if module.in_features % multiple:
+            sizes = [(name, module.in_features)]
+        elif isinstance(module, SparseMoE) and module.experts13 is None:
+            sizes = [(f"{name}.w13", module.w13.shape[2]), (f"{name}.w2", module.w2.shape[2])]
+        for layer, in_features in sizes:
+            if in_features % multiple:
                 raise ValueError(
                     f"--quantization {method} needs in_features divisible by {multiple}; "
-                    f"layer {name} has {module.in_features}"
+                    f"layer {layer} has {in_features}"
                 )
 
 
 def quantize_model(model: nn.Module, method: str, options: dict, kernel: str) -> int:
-    """Swap every ``nn.Linear`` except the LM head for ``method``'s layer; returns how many."""
+    """Swap every ``nn.Linear`` except the LM head and the MoE routers (every expert
+    included) for ``method``'s layer; returns how many."""
+    keep = {"lm_head"}
+    for name, module in model.named_modules():
+        if isinstance(module, SparseMoE):
+            module.unstack_experts()
+            keep.add(f"{name}.gate")  # the router: which experts run stays exact
     targets = [
         (name, m)
         for name, m in model.named_modules()
-        if isinstance(m, nn.Linear) and name != "lm_head"
+        if isinstance(m, nn.Linear) and name not in keep
     ]
     for name, linear in targets:
         model.set_submodule(name, quantize_linear(linear, method, options, kernel))
@@ -98,6 +111,9 @@ def install_quantized_weights(
             embedding = weight
             continue
         module_name = target.removesuffix(".weight")
+        moe_name = expert_layer_name(module_name)
+        if moe_name is not None:  # a quantized expert: that layer's experts go one by one
+            model.get_submodule(moe_name).unstack_experts()
         _check_linear(model, module_name, hf_name)
         fused[module_name][shard] = weight.to(device)
         bias = biases.get(hf_name.removesuffix(".weight") + ".bias")
@@ -114,6 +130,7 @@ def install_quantized_weights(
         if sum(p.shape[0] for p in parts) != linear.out_features:
             raise ValueError(f"{module_name}: quantized rows do not match the model's layer")
         model.set_submodule(module_name, QuantLinear(parts, bias, kernel=kernel, method=method))
+    _check_all_experts_quantized(model)
     if embedding is not None:  # last: a tied LM head then multiplies by the same blocks
         _install_embedding(model, embedding.to(device), kernel, method)
 
@@ -124,6 +141,22 @@ def _check_linear(model: nn.Module, module_name: str, hf_name: str) -> None:
             f"{hf_name} is quantized in the checkpoint, but {type(model).__name__}.{module_name} "
             "is not a linear layer; llmserve computes on quantized linear weights only"
         )
+
+
+def _check_all_experts_quantized(model: nn.Module) -> None:
+    for name, module in model.named_modules():
+        if isinstance(module, SparseMoE) and module.experts13 is not None:
+            left = [
+                f"{name}.{which}.{i}"
+                for which in ("experts13", "experts2")
+                for i, layer in enumerate(getattr(module, which))
+                if isinstance(layer, nn.Linear)
+            ]
+            if left:
+                raise ValueError(
+                    f"the checkpoint quantizes only some experts of {name} ({left[:4]} are "
+                    "float); llmserve needs all of a layer's experts quantized or none"
+                )
 
 
 def _shard_key(shard: int | None) -> int:

@@ -211,13 +211,15 @@ def test_gguf_quantized_blocks(name, tmp_path, tokenizer, monkeypatch):
     _assert_matches(llm, outputs, reference)
 
 
-def test_quantized_experts_are_refused():
-    """The grouped MoE layer holds stacked float experts: a quantized expert is refused by name."""
+def test_quantized_expert_placement():
+    """A quantized expert goes to its own layer of the unstacked MoE (gate/up fused)."""
     from llmserve.models.qwen3 import Qwen3MoeForCausalLM
 
     model = Qwen3MoeForCausalLM(FAMILIES["qwen3-moe"](), max_model_len=64)
-    with pytest.raises(ValueError, match="Qwen3MoeForCausalLM: .*quantized expert weight"):
-        model.quantized_placement("model.layers.0.mlp.experts.1.up_proj.weight", 48)
+    placement = model.quantized_placement("model.layers.0.mlp.experts.1.up_proj.weight", 48)
+    assert placement[:2] == ("layers.0.mlp.experts13.1.weight", 1)
+    placement = model.quantized_placement("model.layers.1.mlp.experts.3.down_proj.weight", 64)
+    assert placement[:2] == ("layers.1.mlp.experts2.3.weight", None)
     assert model.quantized_placement("model.layers.0.self_attn.k_proj.weight", 48)[:2] == (
         "layers.0.self_attn.qkv_proj.weight",
         1,
