@@ -53,13 +53,16 @@ def _forks(llm: LLM) -> list[list[int]]:
     return tokens + [s.tokens for o in llm.beam_search(PROMPTS[:2], beams) for s in o.sequences]
 
 
-def _compare(model: str | None, with_forks: bool = False, **options) -> None:
+def _compare(
+    model: str | None, with_forks: bool = False, info: str | None = None, **options
+) -> None:
     single = LLM(model, **options)
     expected, expected_forks = _run(single), with_forks and _forks(single)
     del single
     split = LLM(model, tensor_parallel_size=2, **options)
     try:
         _assert_close(expected, _run(split))
+        assert info is None or info in split.llm_engine.kv_info
         if with_forks:
             assert _forks(split) == expected_forks
         assert_no_leaks(split)
@@ -125,6 +128,57 @@ def test_runtime_quantization_quantizes_each_shard(odd_kv_model):
                 assert abs(_value(pos_a[token]) - _value(pos_b[token])) < 0.02  # 0.004 seen
 
 
+def test_gguf_blocks_tp2_matches_tp1(odd_kv_model, tmp_path):
+    """A GGUF file's Q4_0 blocks cut per rank (o/down on block boundaries, the quantized token
+    table and LM head by vocabulary rows, padded) give TP=1's tokens and log-probs."""
+    from gguf import GGMLQuantizationType
+
+    from tests.gguf_writer import write_gguf
+
+    path = str(tmp_path / "tiny.gguf")
+    write_gguf(path, odd_kv_model, qtype=GGMLQuantizationType.Q4_0)
+    _compare(
+        path,
+        info="int4",  # each rank holds 4-bit blocks
+        quantization="gguf",
+        quantized_activations="float",  # float32 math on the blocks: equal up to sum order
+        kv_cache_memory=8 << 20,
+        max_model_len=128,
+    )
+
+
+def test_gptq_checkpoint_tp2_matches_tp1(odd_kv_model, tmp_path):
+    from llmserve.quantization import quantize
+
+    quantize(odd_kv_model, str(tmp_path / "gptq"), method="rtn", bits=4, group_size=32)
+    _compare(
+        str(tmp_path / "gptq"),
+        info="int4",
+        quantized_activations="float",
+        kv_cache_memory=8 << 20,
+        max_model_len=128,
+    )
+
+
+def test_quantized_weights_are_cut_on_group_boundaries():
+    from llmserve.quantization.layout import QuantizedWeight, pack_int4
+
+    config = _config(num_attention_heads=4, num_key_value_heads=2, hidden_size=64, head_dim=16)
+    shard = make_plan(config, 2).shards[1]  # q heads 2..3: o_proj input columns 32..64
+    codes = torch.randint(0, 16, (64, 64))
+    scales = torch.rand(64, 2)
+    weight = QuantizedWeight(4, pack_int4(codes), scales, None, 32)
+    name = "model.layers.0.self_attn.o_proj.weight"
+    ((_, cut),) = shard_weights(iter([(name, weight)]), shard)
+    assert torch.equal(cut.dequantize(), weight.dequantize()[:, 32:])
+    grouped = QuantizedWeight(4, pack_int4(codes), scales[:, :1], None, 64)  # one group of 64
+    with pytest.raises(ValueError, match=r"o_proj.weight: this rank's input columns 32..64"):
+        list(shard_weights(iter([(name, grouped)]), shard))
+    act_order = QuantizedWeight(4, pack_int4(codes), scales, None, 32, perm=torch.arange(64))
+    with pytest.raises(ValueError, match="act-order"):
+        list(shard_weights(iter([(name, act_order)]), shard))
+
+
 def test_plan_splits_by_kv_group():
     config = _config(num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536)
     plan = make_plan(config, 2)
@@ -174,7 +228,7 @@ def test_errors_before_any_work(odd_kv_model):
         LLM(odd_kv_model, tensor_parallel_size=3)  # 2 cores here; 3 KV heads split fine
     with pytest.raises(ValueError, match="cannot split the model's 3 KV heads"):
         LLM(odd_kv_model, tensor_parallel_size=4)
-    with pytest.raises(ValueError, match="gguf .quantized checkpoint tensors. is not supported"):
+    with pytest.raises(ValueError, match="is not a GGUF file"):
         LLM(odd_kv_model, tensor_parallel_size=2, quantization="gguf")
     with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
         LLM(odd_kv_model, tensor_parallel_size=0)

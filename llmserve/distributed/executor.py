@@ -40,15 +40,17 @@ from llmserve.distributed.plan import (
     make_plan,
     shard_weights,
 )
-from llmserve.layers.cpu_linear import can_pack, pack_linear_layers
 from llmserve.layers.paged_attention_torch import build_plan
-from llmserve.loader import ResolvedModel, iter_weights
-from llmserve.models.registry import get_model_class
+from llmserve.loader import ResolvedModel
 from llmserve.quantization import loading as quantization
-from llmserve.quantization.linear import default_kernel as default_quant_kernel
 from llmserve.runner import kv_cache
 from llmserve.runner.model_runner import ModelRunner
-from llmserve.runner.worker import resolve_attention_backend, resolve_device, resolve_dtype
+from llmserve.runner.worker import (
+    load_model,
+    resolve_attention_backend,
+    resolve_device,
+    resolve_dtype,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -71,12 +73,7 @@ def create_tp_runner(
     device = resolve_device(config.device.device)
     device_type = device.type
     dtype = resolve_dtype(config.model.dtype, device)
-    method = quantization.resolve_quantization(config.model.quantization, resolved, device, dtype)
-    if method in quantization.CHECKPOINT_METHODS:  # a GPTQ/AWQ checkpoint declares its own
-        raise ValueError(
-            f"{method} (quantized checkpoint tensors) is not supported with "
-            "--tensor-parallel-size > 1; runtime methods (int8, llm_int8, nf4, fp4) are"
-        )
+    quantization.resolve_quantization(config.model.quantization, resolved, device, dtype)
     info = pg.torchrun_rank_info()
     if info is not None and info.world_size != size:
         raise ValueError(
@@ -120,10 +117,17 @@ def build_rank_runner(
     dtype = resolve_dtype(config.model.dtype, device)
     backend = resolve_attention_backend(config.device.attention_backend, device, dtype)
     shard = plan.shards[info.rank]
-    model = _load_shard(resolved, hf_config, config, max_model_len, shard, dtype, device, backend)
+    model = load_model(  # the rank's smaller model, filled slice by slice
+        resolved,
+        local_config(hf_config, shard),
+        config,
+        max_model_len,
+        dtype,
+        device,
+        backend,
+        select=lambda stream: shard_weights(stream, shard),
+    )
     apply_tensor_parallel(model, shard, hf_config.vocab_size, plan.world_size)
-    if can_pack(device, dtype):
-        pack_linear_layers(model, batch_size_hint=config.scheduler.max_num_seqs)
     attn = model.layers[0].self_attn
     spec = kv_cache.KVCacheSpec(
         hf_config.num_hidden_layers,
@@ -153,30 +157,6 @@ def build_rank_runner(
         f"{weights}; " + kv_cache.describe(local_spec, num_blocks, max_model_len) + " (per rank)"
     )
     return runner, num_blocks, text
-
-
-def _load_shard(resolved, hf_config, config, max_model_len, shard, dtype, device, backend):
-    """Build the rank's smaller model and fill it slice by slice from the checkpoint."""
-    torch.manual_seed(config.model.seed)
-    with torch.device(device):
-        model = get_model_class(hf_config)(local_config(hf_config, shard), max_model_len, backend)
-    if config.model.load_format == "dummy":
-        for param in model.parameters():
-            torch.nn.init.normal_(param.data, std=0.02)
-    else:
-        model.load_weights(shard_weights(iter_weights(resolved), shard))
-    model = model.to(dtype=dtype).eval()
-    method = config.model.quantization  # a runtime method: validate_parallel refused the rest
-    if method is not None:
-        kernel = default_quant_kernel(device, config.model.quantized_activations)
-        quantization.check_runtime_shapes(model, method)
-        options = {
-            "llm_int8_threshold": config.model.llm_int8_threshold,
-            "nf4_double_quant": config.model.nf4_double_quant,
-        }
-        quantization.quantize_model(model, method, options, kernel)  # each rank its shard
-        quantization.set_output_dtype(model, dtype)
-    return model
 
 
 def _join_watching(info: pg.RankInfo, device_type: str, workers: WorkerSet | None):

@@ -1,4 +1,4 @@
-"""Tensor parallelism applied to a plain Llama-family model, as a pass after construction.
+"""Tensor parallelism applied to a plain Llama-family model, as a pass after loading.
 
 The model is built from ``plan.local_config`` (this rank's heads, MLP columns and vocabulary
 rows), so its ``nn.Linear`` layers already have the local shapes:
@@ -9,6 +9,9 @@ rows), so its ``nn.Linear`` layers already have the local shapes:
                              oneDNN packing, which swaps the linears, keeps it)
     embed_tokens             vocabulary-parallel: rows outside the shard give 0, then all-reduce
     lm_head                  vocabulary-parallel: local logits, all-gathered to the full vocab
+
+Quantized layers (a GGUF file's blocks, GPTQ/AWQ, the run-time methods) arrive already cut to
+the rank's share (``plan.shard_weights``); the wrappers call whatever layer is there.
 """
 
 from __future__ import annotations
@@ -16,38 +19,39 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn import functional as F
 
 from llmserve.distributed.plan import RankShard
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Rows ``vocab[0]..vocab[1]`` of the table (padded to ``vocab_per_rank``)."""
+    """Rows ``vocab[0]..vocab[1]`` of the table (padded to ``vocab_per_rank``), looked up by
+    ``embed`` (an ``nn.Embedding``, or a ``QuantEmbedding`` whose blocks stay quantized)."""
 
-    def __init__(self, weight: nn.Parameter, shard: RankShard):
+    def __init__(self, embed: nn.Module, shard: RankShard):
         super().__init__()
-        self.weight = weight  # [vocab_per_rank, hidden]
+        self.embed = embed
         self.start, self.end = shard.vocab
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         is_local = (input_ids >= self.start) & (input_ids < self.end)  # [T]
         local_ids = torch.where(is_local, input_ids - self.start, 0)
-        x = F.embedding(local_ids, self.weight) * is_local.unsqueeze(-1)  # [T, hidden]
+        x = self.embed(local_ids) * is_local.unsqueeze(-1)  # [T, hidden]
         dist.all_reduce(x)
         return x
 
 
 class ParallelLMHead(nn.Module):
-    """Logits of this rank's vocabulary rows, gathered from every rank: ``[N, vocab]``."""
+    """Logits of this rank's vocabulary rows (``head``: a linear layer, float or quantized,
+    ``[vocab_per_rank, hidden]``), gathered from every rank: ``[N, vocab]``."""
 
-    def __init__(self, weight: nn.Parameter, vocab_size: int, world_size: int):
+    def __init__(self, head: nn.Module, vocab_size: int, world_size: int):
         super().__init__()
-        self.weight = weight  # [vocab_per_rank, hidden]
+        self.head = head
         self.vocab_size = vocab_size
         self.world_size = world_size
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        local = F.linear(hidden, self.weight)  # [N, vocab_per_rank]
+        local = self.head(hidden).contiguous()  # [N, vocab_per_rank]
         parts = [torch.empty_like(local) for _ in range(self.world_size)]
         dist.all_gather(parts, local)
         return torch.cat(parts, dim=-1)[:, : self.vocab_size]  # [N, vocab]
@@ -68,7 +72,6 @@ def apply_tensor_parallel(
             raise ValueError("tensor parallelism does not support a bias on o_proj or down_proj")
         attn.register_forward_hook(_sum_over_ranks)
         layer.mlp.register_forward_hook(_sum_over_ranks)
-    model.embed_tokens = VocabParallelEmbedding(model.embed_tokens.weight, shard)
-    head = model.embed_tokens.weight if model.tie_word_embeddings else model.lm_head.weight
-    model.lm_head = ParallelLMHead(head, vocab_size, world_size)
+    model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, shard)
+    model.lm_head = ParallelLMHead(model.lm_head, vocab_size, world_size)  # tied: same rows
     return model

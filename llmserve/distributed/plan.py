@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from llmserve.quantization.layout import QuantizedWeight
+
 TP_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
 
@@ -70,12 +72,6 @@ def validate_parallel(config: Any) -> None:
         raise ValueError("--ray-address is for data-parallel replicas (--data-parallel-size > 1)")
     if parallel.tensor_parallel_size == 1:
         return
-    if config.model.quantization in ("gguf", "gptq", "awq"):
-        raise ValueError(
-            f"--quantization {config.model.quantization} (quantized checkpoint tensors) is not "
-            "supported with --tensor-parallel-size > 1; runtime methods (int8, llm_int8, nf4, "
-            "fp4) are, each rank quantizing its own shard"
-        )
     if config.model.speculative_config is not None:
         raise ValueError(
             "speculative decoding is not supported with --tensor-parallel-size > 1; drop "
@@ -168,32 +164,56 @@ def local_config(hf_config: Any, shard: RankShard) -> Any:
 
 
 def shard_weights(
-    weights: Iterator[tuple[str, torch.Tensor]], shard: RankShard
-) -> Iterator[tuple[str, torch.Tensor]]:
+    weights: Iterator[tuple[str, torch.Tensor | QuantizedWeight]], shard: RankShard
+) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """Slice each full checkpoint tensor (Hugging Face names) to ``shard`` as it streams by;
-    the full tensor is dropped before the next one is read."""
+    the full tensor is dropped before the next one is read. Quantized weights (GGUF blocks,
+    GPTQ/AWQ layers) are cut the same way, row-parallel ones on group boundaries."""
     d = shard.head_dim
     q = slice(shard.q_heads[0] * d, shard.q_heads[1] * d)
     kv = slice(shard.kv_heads[0] * d, shard.kv_heads[1] * d)
     mlp = slice(*shard.intermediate)
     for name, tensor in weights:
         if ".q_proj." in name:
-            tensor = tensor[q]
+            tensor = _rows(tensor, q)
         elif ".k_proj." in name or ".v_proj." in name:
-            tensor = tensor[kv]
+            tensor = _rows(tensor, kv)
         elif ".o_proj." in name:
-            tensor = tensor[:, q]
+            tensor = _cols(tensor, q, name)
         elif ".gate_proj." in name or ".up_proj." in name:
-            tensor = tensor[mlp]
+            tensor = _rows(tensor, mlp)
         elif ".down_proj." in name:
-            tensor = tensor[:, mlp]
+            tensor = _cols(tensor, mlp, name)
         elif name.endswith(("embed_tokens.weight", "lm_head.weight")):
             tensor = _vocab_rows(tensor, shard)
-        yield name, tensor.contiguous()
+        yield name, tensor.contiguous() if isinstance(tensor, torch.Tensor) else tensor
 
 
-def _vocab_rows(table: torch.Tensor, shard: RankShard) -> torch.Tensor:
+def _rows(tensor: torch.Tensor | QuantizedWeight, rows: slice):
+    if isinstance(tensor, QuantizedWeight):
+        return tensor.select_rows(torch.arange(rows.start, rows.stop))
+    return tensor[rows]
+
+
+def _cols(tensor: torch.Tensor | QuantizedWeight, cols: slice, name: str):
+    if not isinstance(tensor, QuantizedWeight):
+        return tensor[:, cols]
+    try:
+        return tensor.select_cols(cols.start, cols.stop)
+    except ValueError as e:
+        raise ValueError(
+            f"{name}: this rank's input columns {cols.start}..{cols.stop} cannot be cut from "
+            f"the quantized weight ({e}); run this checkpoint with --tensor-parallel-size 1 "
+            "(or quantize it with a group size that divides each rank's share)"
+        ) from None
+
+
+def _vocab_rows(table: torch.Tensor | QuantizedWeight, shard: RankShard):
     start, end = shard.vocab
-    rows = table[start:end]  # [<= vocab_per_rank, hidden]
+    rows = _rows(table, slice(start, end))  # [<= vocab_per_rank, hidden]
     pad = shard.vocab_per_rank - rows.shape[0]
-    return torch.nn.functional.pad(rows, (0, 0, 0, pad)) if pad else rows
+    if not pad:
+        return rows
+    if isinstance(rows, QuantizedWeight):
+        return rows.pad_rows(pad)
+    return torch.nn.functional.pad(rows, (0, 0, 0, pad))

@@ -117,6 +117,36 @@ class QuantizedWeight:
             mins=mins,
         )
 
+    def select_cols(self, start: int, end: int) -> QuantizedWeight:
+        """Input columns ``start..end`` (a tensor-parallel rank's share of a row-parallel
+        layer); both must fall on group and packing-block boundaries, and act-order weights,
+        whose stored columns are permuted, cannot be cut."""
+        step = max(self.group_size, BLOCK)
+        if self.perm is not None:
+            raise ValueError("act-order (desc_act) weights cannot be split by input column")
+        if start % step or end % step:
+            raise ValueError(
+                f"input columns {start}..{end} do not fall on the {step}-column groups"
+            )
+        per_byte = 2 if self.bits == 4 else 1
+        groups = slice(start // self.group_size, end // self.group_size)
+        return replace(
+            self,
+            qweight=self.qweight[:, start // per_byte : end // per_byte].contiguous(),
+            scales=self.scales[:, groups].contiguous(),
+            mins=None if self.mins is None else self.mins[:, groups].contiguous(),
+        )
+
+    def pad_rows(self, rows: int) -> QuantizedWeight:
+        """``rows`` more output rows that dequantize to zero (a padded vocabulary shard)."""
+
+        def pad(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else torch.nn.functional.pad(t, (0, 0, 0, rows))
+
+        return replace(
+            self, qweight=pad(self.qweight), scales=pad(self.scales), mins=pad(self.mins)
+        )
+
     def to(self, device: torch.device) -> QuantizedWeight:
         def move(t):
             return None if t is None else t.to(device)

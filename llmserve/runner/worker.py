@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -80,10 +81,14 @@ def load_model(
     dtype,
     device,
     backend: str,
+    select: Callable[[Iterator], Iterator] | None = None,
 ):
     """Instantiate the architecture and fill in its weights (or random ones for ``dummy``),
-    quantized as ``--quantization`` (or the checkpoint) says."""
+    quantized as ``--quantization`` (or the checkpoint) says. ``select``: applied to the
+    checkpoint's (name, tensor) stream; a tensor-parallel rank passes its slicing, with
+    ``hf_config`` its own smaller config."""
     method = quantization.resolve_quantization(config.model.quantization, resolved, device, dtype)
+    select = select or (lambda stream: stream)
     model_class = get_model_class(hf_config)
     torch.manual_seed(config.model.seed)
     with torch.device(device):
@@ -95,12 +100,12 @@ def load_model(
         for param in model.parameters():
             torch.nn.init.normal_(param.data, std=0.02)
     elif method in quantization.CHECKPOINT_METHODS:
-        tensors = quantization.iter_quantized_checkpoint(resolved, method)
+        tensors = select(quantization.iter_quantized_checkpoint(resolved, method))
         quantized, biases, floats = quantization.split_quantized(tensors)
         quantization.install_quantized_weights(model, quantized, biases, kernel, method, device)
         model.load_weights(floats)
     else:
-        model.load_weights(iter_weights(resolved))
+        model.load_weights(select(iter_weights(resolved)))
     model = model.to(dtype=dtype).eval()
     quantization.set_output_dtype(model, dtype)
     if method in quantization.RUNTIME_METHODS:
