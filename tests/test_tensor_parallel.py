@@ -160,6 +160,38 @@ def test_gptq_checkpoint_tp2_matches_tp1(odd_kv_model, tmp_path):
     )
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculative_tp2_is_lossless(method, odd_kv_model):
+    """Speculative decoding under TP=2 (n-gram drafts, or a separate draft model whole on
+    rank 0: here the same weights, so greedy drafts are accepted): the greedy tokens of TP=1
+    without speculation, with drafts verified by the split target."""
+    config = {"method": method, "num_speculative_tokens": 3}
+    if method == "draft_model":
+        config["model"] = odd_kv_model
+    options = dict(kv_cache_memory=8 << 20, max_model_len=128, attention_backend="torch")
+    prompts = PROMPTS + ["one two three one two three one two three one two"]  # n-gram fodder
+    greedy = SamplingParams(temperature=0, max_tokens=16, min_tokens=16)
+    single = LLM(odd_kv_model, **options)
+    expected = [o.outputs[0].token_ids for o in single.generate(prompts, greedy, use_tqdm=False)]
+    del single
+    split = LLM(odd_kv_model, tensor_parallel_size=2, speculative_config=config, **options)
+    try:
+        outputs = split.generate(prompts, greedy, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == expected
+        stats = split.llm_engine.spec_stats
+        assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
+        assert_no_leaks(split)
+    finally:
+        del split
+        gc.collect()
+
+
+def test_self_drafting_target_is_refused_under_tp(odd_kv_model):
+    config = {"method": "draft_model", "num_speculative_tokens": 3, "quantization": "int8"}
+    with pytest.raises(ValueError, match="a target drafting for itself"):
+        LLM(odd_kv_model, tensor_parallel_size=2, speculative_config=config)
+
+
 def test_quantized_weights_are_cut_on_group_boundaries():
     from llmserve.quantization.layout import QuantizedWeight, pack_int4
 

@@ -46,11 +46,14 @@ from llmserve.quantization import loading as quantization
 from llmserve.runner import kv_cache
 from llmserve.runner.model_runner import ModelRunner
 from llmserve.runner.worker import (
+    kv_spec,
+    load_drafter,
     load_model,
     resolve_attention_backend,
     resolve_device,
     resolve_dtype,
 )
+from llmserve.spec_decode.draft_model import DraftModelProposer
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +70,6 @@ def create_tp_runner(
 ) -> tuple[TensorParallelRunner, int, str]:
     """``runner/worker.create_runner`` for ``tensor_parallel_size > 1``: check the split and
     the devices, start the workers, load rank 0's shard; returns (runner, num_blocks, info)."""
-    assert drafter is None, "EngineConfig.validate refuses speculative decoding with TP"
     size = config.parallel.tensor_parallel_size
     plan = make_plan(hf_config, size)
     device = resolve_device(config.device.device)
@@ -94,7 +96,7 @@ def create_tp_runner(
         raise SystemExit(0)
     workers = WorkerSet(info, args) if is_spawned else None
     group = _join_watching(info, device_type, workers)
-    runner, num_blocks, text = build_rank_runner(info, group, *args)
+    runner, num_blocks, text = build_rank_runner(info, group, *args, drafter=drafter)
     if workers is not None:
         workers.wait_ready()
     return TensorParallelRunner(runner, group, workers), num_blocks, text
@@ -110,8 +112,12 @@ def build_rank_runner(
     eos_token_id: int | None,
     plan: TensorParallelPlan,
     device_type: str,
+    drafter: tuple | None = None,
 ) -> tuple[ModelRunner, int, str]:
-    """This rank's shard of the model and of the KV pool (as many blocks as every rank)."""
+    """This rank's shard of the model and of the KV pool (as many blocks as every rank).
+    ``drafter`` (rank 0 only): a speculative draft model, loaded whole on rank 0 with its own
+    KV pool of as many blocks; it proposes there and only the target's verification forward
+    is split over the ranks."""
     pg.split_cpu_threads(info)
     device = pg.rank_device(device_type, info)
     dtype = resolve_dtype(config.model.dtype, device)
@@ -136,9 +142,12 @@ def build_rank_runner(
         dtype,
         config.cache.block_size,
     )
-    num_blocks = torch.tensor(
-        [kv_cache.kv_cache_budget(config.cache, device) // spec.bytes_per_block]
-    )
+    block_bytes = spec.bytes_per_block
+    if drafter is not None:
+        draft_model = load_drafter(drafter, config, max_model_len, dtype, device, backend)
+        draft_spec = kv_spec(draft_model, drafter[1], dtype, config.cache.block_size)
+        block_bytes += draft_spec.bytes_per_block
+    num_blocks = torch.tensor([kv_cache.kv_cache_budget(config.cache, device) // block_bytes])
     dist.all_reduce(num_blocks, op=dist.ReduceOp.MIN, group=group)  # budgets differ per GPU
     num_blocks = int(num_blocks.item())
     if num_blocks < 1:
@@ -148,7 +157,13 @@ def build_rank_runner(
         )
     local_spec = dataclasses.replace(spec, num_kv_heads=attn.num_kv_heads)
     caches = kv_cache.allocate(local_spec, num_blocks, device)
-    runner = ModelRunner(model, caches, spec.block_size, device, eos_token_id, backend)
+    proposer = None
+    if drafter is not None:
+        draft_caches = kv_cache.allocate(draft_spec, num_blocks, device)
+        proposer = DraftModelProposer(draft_model, draft_caches, spec.block_size, device, backend)
+    runner = ModelRunner(
+        model, caches, spec.block_size, device, eos_token_id, backend, drafter=proposer
+    )
     weights = quantization.describe_weight_bytes(quantization.weight_bytes_by_dtype(model))
     text = (
         f"model {resolved.display_name}, tensor parallel {plan.world_size} on {device_type} "
@@ -156,6 +171,8 @@ def build_rank_runner(
         f"heads {shard.kv_heads}, MLP columns {shard.intermediate}, vocab rows {shard.vocab}, "
         f"{weights}; " + kv_cache.describe(local_spec, num_blocks, max_model_len) + " (per rank)"
     )
+    if drafter is not None:
+        text += f"; draft model {drafter[0].display_name} whole on rank 0, its own KV pool"
     return runner, num_blocks, text
 
 

@@ -72,10 +72,13 @@ def validate_parallel(config: Any) -> None:
         raise ValueError("--ray-address is for data-parallel replicas (--data-parallel-size > 1)")
     if parallel.tensor_parallel_size == 1:
         return
-    if config.model.speculative_config is not None:
+    speculative = config.speculative
+    if speculative is not None and speculative.uses_draft_model and speculative.model is None:
         raise ValueError(
-            "speculative decoding is not supported with --tensor-parallel-size > 1; drop "
-            "--speculative-config or run with --tensor-parallel-size 1"
+            'a target drafting for itself (draft_model without a "model") shares its KV pool '
+            "and weights, which tensor parallelism splits over ranks; with "
+            '--tensor-parallel-size > 1 use {"method": "ngram"} or a separate draft '
+            '"model" (it runs whole on rank 0)'
         )
 
 

@@ -133,12 +133,12 @@ def create_runner(
     dtype = resolve_dtype(config.model.dtype, device)
     backend = resolve_attention_backend(config.device.attention_backend, device, dtype)
     model = load_model(resolved, hf_config, config, max_model_len, dtype, device, backend)
-    spec = _kv_spec(model, hf_config, dtype, config.cache.block_size)
+    spec = kv_spec(model, hf_config, dtype, config.cache.block_size)
     bytes_per_block = spec.bytes_per_block
     shared = drafter is not None and config.speculative.model is None  # the target, quantized
     if drafter is not None:  # its pool has as many blocks, read through the same tables
-        draft_model = _load_drafter(drafter, config, max_model_len, dtype, device, backend)
-        draft_spec = _kv_spec(draft_model, drafter[1], dtype, config.cache.block_size)
+        draft_model = load_drafter(drafter, config, max_model_len, dtype, device, backend)
+        draft_spec = kv_spec(draft_model, drafter[1], dtype, config.cache.block_size)
         if not shared:
             bytes_per_block += draft_spec.bytes_per_block
     num_blocks = kv_cache.kv_cache_budget(config.cache, device) // bytes_per_block
@@ -193,7 +193,7 @@ def create_runner(
     return runner, num_blocks, info
 
 
-def _kv_spec(model, hf_config, dtype, block_size: int) -> kv_cache.KVCacheSpec:
+def kv_spec(model, hf_config, dtype, block_size: int) -> kv_cache.KVCacheSpec:
     attn = model.layers[0].self_attn
     return kv_cache.KVCacheSpec(
         num_layers=hf_config.num_hidden_layers,
@@ -204,7 +204,7 @@ def _kv_spec(model, hf_config, dtype, block_size: int) -> kv_cache.KVCacheSpec:
     )
 
 
-def _load_drafter(drafter, config: EngineConfig, max_model_len, dtype, device, backend):
+def load_drafter(drafter, config: EngineConfig, max_model_len, dtype, device, backend):
     """The speculative drafter: another model, or the target with the draft's quantization."""
     resolved, hf_config = drafter
     spec = config.speculative
