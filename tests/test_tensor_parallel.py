@@ -22,9 +22,9 @@ PROMPTS = ["Write SQL that counts rows of t.", "Hello, my name is", "def fibonac
 LOGPROB_ATOL = 1e-4  # fp32, summed in another order across two ranks
 
 
-def _run(llm: LLM, max_tokens: int = 12) -> list:
+def _run(llm: LLM, max_tokens: int = 12, prompts: list | None = None) -> list:
     params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=5, prompt_logprobs=3)
-    return llm.generate(PROMPTS, params, use_tqdm=False)
+    return llm.generate(prompts or PROMPTS, params, use_tqdm=False)
 
 
 def _assert_close(single: list, split: list) -> None:
@@ -54,14 +54,18 @@ def _forks(llm: LLM) -> list[list[int]]:
 
 
 def _compare(
-    model: str | None, with_forks: bool = False, info: str | None = None, **options
+    model: str | None,
+    with_forks: bool = False,
+    info: str | None = None,
+    prompts: list | None = None,
+    **options,
 ) -> None:
     single = LLM(model, **options)
-    expected, expected_forks = _run(single), with_forks and _forks(single)
+    expected, expected_forks = _run(single, prompts=prompts), with_forks and _forks(single)
     del single
     split = LLM(model, tensor_parallel_size=2, **options)
     try:
-        _assert_close(expected, _run(split))
+        _assert_close(expected, _run(split, prompts=prompts))
         assert info is None or info in split.llm_engine.kv_info
         if with_forks:
             assert _forks(split) == expected_forks
@@ -126,6 +130,24 @@ def test_runtime_quantization_quantizes_each_shard(odd_kv_model):
         for pos_a, pos_b in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:], strict=True):
             for token in pos_a.keys() & pos_b.keys():
                 assert abs(_value(pos_a[token]) - _value(pos_b[token])) < 0.02  # 0.004 seen
+
+
+@pytest.mark.parametrize("name", ["qwen3", "gemma2", "gemma3"])
+def test_family_tp2_matches_tp1(name, tmp_path):
+    """Beyond Llama: q/k norms (Qwen3, Gemma 3), a replicated KV head, soft-capping and
+    sliding windows (Gemma 2/3), the scaled and tied embedding (Gemma)."""
+    from llmserve.tokenizer import get_tokenizer
+    from tests.test_model_families import PROMPTS as TOKEN_PROMPTS
+    from tests.test_model_families import _save
+
+    _save(name, tmp_path, get_tokenizer(None))
+    _compare(
+        str(tmp_path),
+        prompts=[{"prompt_token_ids": p} for p in TOKEN_PROMPTS],  # ids within the tiny vocab
+        kv_cache_memory=8 << 20,
+        max_model_len=64,
+        attention_backend="torch",
+    )
 
 
 def test_gguf_blocks_tp2_matches_tp1(odd_kv_model, tmp_path):

@@ -1,4 +1,5 @@
-"""Tensor parallelism applied to a plain Llama-family model, as a pass after loading.
+"""Tensor parallelism applied to a Llama-shaped model (``plan.TP_ARCHITECTURES``), as a pass
+after loading.
 
 The model is built from ``plan.local_config`` (this rank's heads, MLP columns and vocabulary
 rows), so its ``nn.Linear`` layers already have the local shapes:

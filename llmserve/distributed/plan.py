@@ -23,7 +23,18 @@ import torch
 
 from llmserve.quantization.layout import QuantizedWeight
 
-TP_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# Families whose checkpoints name their layers as Llama does (q/k/v/o_proj, gate/up/down_proj)
+# and whose models are built from num_attention_heads, num_key_value_heads, head_dim,
+# intermediate_size and vocab_size: a rank's model is the same family with smaller numbers.
+TP_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "GemmaForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
+)
 
 
 @dataclass(frozen=True)
@@ -87,7 +98,7 @@ def make_plan(hf_config: Any, world_size: int) -> TensorParallelPlan:
     arch = (getattr(hf_config, "architectures", None) or ["?"])[0]
     if arch not in TP_ARCHITECTURES:
         raise ValueError(
-            f"tensor parallelism supports the Llama family ({', '.join(TP_ARCHITECTURES)}); "
+            f"tensor parallelism supports {', '.join(TP_ARCHITECTURES)}; "
             f"{arch} runs with --tensor-parallel-size 1"
         )
     num_heads = hf_config.num_attention_heads
