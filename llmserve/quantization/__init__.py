@@ -35,7 +35,7 @@ checkpoint that quantizes only some of a layer's experts is refused.
 
 Own post-training quantizers (``quantizers/``: RTN, GPTQ, AWQ; ``llmserve quantize``) write
 GPTQ / AWQ checkpoints that the ``gptq`` / ``awq`` rows above load: rtn and gptq for every
-family, awq for Llama-shaped layers.
+family, awq for Llama-shaped layers (Llama, Mistral, Qwen2, Qwen3).
 """
 
 

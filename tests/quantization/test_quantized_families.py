@@ -233,7 +233,7 @@ def test_awq_names_the_families_it_runs(tmp_path, tokenizer):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("name", ["gpt2", "falcon-40b-style", "bloom", "qwen3", "gemma3"])
+@pytest.mark.parametrize("name", ["gpt2", "falcon-40b-style", "bloom", "gemma3"])
 def test_gptq_by_replay(name, tmp_path):
     """GPTQ of a family without Llama-shaped layers (the model itself run up to each layer):
     the checkpoint matches transformers on its dequantized weights, and its logits are not
@@ -253,6 +253,30 @@ def test_gptq_by_replay(name, tmp_path):
     _assert_matches(llm, outputs, reference_of(model, tmp_path / "gptq"))
     # On tiny random models GPTQ's gain varies (gpt2 about 40x, qwen3 none): never worse.
     assert errors["gptq"] < 1.05 * errors["rtn"], errors
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_qwen3_runs_in_stages(method, tmp_path):
+    """Qwen3 (q/k norms) is quantized stage by stage like Llama, so AWQ can fold its scales:
+    the checkpoint loads, matches transformers on its dequantized weights, and its logits are
+    not further from the float model's than round-to-nearest's."""
+    from .tiny_llama import tiny_tokenizer
+
+    model = _save("qwen3", tmp_path / "float", tiny_tokenizer(512))
+    errors = {}
+    for m in (method, "rtn"):
+        output = str(tmp_path / m)
+        quantize(
+            str(tmp_path / "float"), output, method=m, group_size=GROUP, num_samples=32, seq_len=64
+        )
+        state = _dequantized_checkpoint(model, output, "awq" if m == "awq" else "gptq")
+        reference = _load_reference(T.AutoModelForCausalLM.from_config(model.config), state)
+        errors[m] = _logit_error(model, reference)
+        if m == method:
+            llm, outputs = _run(output)
+            _assert_all_quantized(llm.llm_engine.runner.model)
+            _assert_matches(llm, outputs, reference)
+    assert errors[method] < 1.05 * errors["rtn"], errors
 
 
 def reference_of(model, output) -> torch.nn.Module:

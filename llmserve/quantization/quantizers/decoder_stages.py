@@ -1,5 +1,6 @@
-"""One decoder layer of a Llama-family model (Llama, Mistral, Qwen2), run in the stages whose
-outputs are the inputs of its linear layers, over all calibration sequences at once:
+"""One decoder layer of a Llama-family model (Llama, Mistral, Qwen2, Qwen3: with per-head q/k
+RMSNorms before the rotary), run in the stages whose outputs are the inputs of its linear
+layers, over all calibration sequences at once:
 
     h ──input_layernorm──> x_attn ──q,k,v + rope + causal attention──> heads ──o_proj──┐
     h ───────────────────────────────────────────────────────────────────────(+)<─────┘= h2
@@ -90,8 +91,11 @@ class DecoderStages:
 
         attn = self.layer.self_attn
         s, t, _ = x.shape
-        q = attn.q_proj(x).view(s, t, self.num_heads, self.head_dim).transpose(1, 2)
-        k = attn.k_proj(x).view(s, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q = attn.q_proj(x).view(s, t, self.num_heads, self.head_dim)
+        k = attn.k_proj(x).view(s, t, self.num_kv_heads, self.head_dim)
+        if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head's dimensions
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = attn.v_proj(x).view(s, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, self.cos, self.sin)  # [S, heads, T, hd]
         out = F.scaled_dot_product_attention(

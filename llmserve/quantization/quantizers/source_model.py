@@ -13,7 +13,7 @@ from llmserve.loader import ResolvedModel, iter_weights
 
 # Architectures whose decoder layers ``decoder_stages.py`` runs (Llama's modules, rotate-half
 # RoPE, no q/k norms): gptq and awq calibrate only these; rtn needs no layer code.
-CALIBRATED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+CALIBRATED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
