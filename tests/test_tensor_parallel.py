@@ -132,10 +132,11 @@ def test_runtime_quantization_quantizes_each_shard(odd_kv_model):
                 assert abs(_value(pos_a[token]) - _value(pos_b[token])) < 0.02  # 0.004 seen
 
 
-@pytest.mark.parametrize("name", ["qwen3", "gemma2", "gemma3"])
+@pytest.mark.parametrize("name", ["qwen3", "gemma2", "gemma3", "mixtral", "qwen3-moe"])
 def test_family_tp2_matches_tp1(name, tmp_path):
     """Beyond Llama: q/k norms (Qwen3, Gemma 3), a replicated KV head, soft-capping and
-    sliding windows (Gemma 2/3), the scaled and tied embedding (Gemma)."""
+    sliding windows (Gemma 2/3), the scaled and tied embedding (Gemma), and mixtures of
+    experts (every rank holds its share of each expert's columns, the router replicated)."""
     from llmserve.tokenizer import get_tokenizer
     from tests.test_model_families import PROMPTS as TOKEN_PROMPTS
     from tests.test_model_families import _save
@@ -166,6 +167,28 @@ def test_gguf_blocks_tp2_matches_tp1(odd_kv_model, tmp_path):
         quantized_activations="float",  # float32 math on the blocks: equal up to sum order
         kv_cache_memory=8 << 20,
         max_model_len=128,
+    )
+
+
+def test_quantized_experts_tp2_matches_tp1(tmp_path):
+    """A Mixtral GGUF whose stacked experts are Q4_0 blocks: each rank cuts every expert's
+    blocks (gate/up by rows, down by 32-column blocks)."""
+    from gguf import GGMLQuantizationType
+
+    from tests.gguf_writer import write_gguf
+    from tests.quantization.test_quantized_moe import _save as save_moe
+
+    save_moe("mixtral", tmp_path / "hf")
+    path = str(tmp_path / "moe.gguf")
+    write_gguf(path, str(tmp_path / "hf"), qtype=GGMLQuantizationType.Q4_0)
+    _compare(
+        path,
+        info="int4",
+        prompts=[{"prompt_token_ids": p} for p in ([5, 9, 77, 300, 2], [400, 3, 3, 17])],
+        quantization="gguf",
+        quantized_activations="float",
+        kv_cache_memory=8 << 20,
+        max_model_len=64,
     )
 
 

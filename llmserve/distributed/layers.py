@@ -8,6 +8,9 @@ rows), so its ``nn.Linear`` layers already have the local shapes:
     o_proj, down_proj        row-parallel: local input columns; the block's output is summed
                              over ranks (an all-reduce hooked on ``self_attn`` and ``mlp``, so
                              oneDNN packing, which swaps the linears, keeps it)
+    experts (MoE)            each expert's gate/up rows and down columns as the dense MLP's;
+                             the router is replicated, so every rank routes alike, and the
+                             same all-reduce on ``mlp`` sums the experts' partial outputs
     embed_tokens             vocabulary-parallel: rows outside the shard give 0, then all-reduce
     lm_head                  vocabulary-parallel: local logits, all-gathered to the full vocab
 
@@ -69,7 +72,8 @@ def apply_tensor_parallel(
     """Make a model built from ``local_config`` compute its part and communicate the rest."""
     for layer in model.layers:
         attn = layer.self_attn
-        if attn.o_proj.bias is not None or getattr(layer.mlp.down_proj, "bias", None) is not None:
+        down = getattr(layer.mlp, "down_proj", None)  # None: a mixture of experts (no bias)
+        if attn.o_proj.bias is not None or getattr(down, "bias", None) is not None:
             raise ValueError("tensor parallelism does not support a bias on o_proj or down_proj")
         attn.register_forward_hook(_sum_over_ranks)
         layer.mlp.register_forward_hook(_sum_over_ranks)

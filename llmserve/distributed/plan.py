@@ -23,9 +23,12 @@ import torch
 
 from llmserve.quantization.layout import QuantizedWeight
 
-# Families whose checkpoints name their layers as Llama does (q/k/v/o_proj, gate/up/down_proj)
-# and whose models are built from num_attention_heads, num_key_value_heads, head_dim,
-# intermediate_size and vocab_size: a rank's model is the same family with smaller numbers.
+# Families whose checkpoints name their layers as Llama does (q/k/v/o_proj, gate/up/down_proj,
+# experts.E.{gate,up,down}_proj or Mixtral's experts.E.w1/w3/w2) and whose models are built
+# from num_attention_heads, num_key_value_heads, head_dim, intermediate_size (and
+# moe_intermediate_size) and vocab_size: a rank's model is the same family with smaller numbers.
+# A mixture of experts is split like a dense MLP: every rank holds every expert, with its share
+# of each expert's columns, and the router is replicated (vLLM's tensor-parallel MoE).
 TP_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -34,6 +37,8 @@ TP_ARCHITECTURES = (
     "GemmaForCausalLM",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen3MoeForCausalLM",
 )
 
 
@@ -47,6 +52,7 @@ class RankShard:
     vocab: tuple[int, int]  # real rows; the local table has ``vocab_per_rank`` rows (padded)
     vocab_per_rank: int
     head_dim: int
+    expert_intermediate: tuple[int, int] | None = None  # each expert's columns (MoE models)
 
 
 @dataclass(frozen=True)
@@ -116,11 +122,13 @@ def make_plan(hf_config: Any, world_size: int) -> TensorParallelPlan:
             f"tensor_parallel_size {n} does not divide the model's {num_heads} attention heads "
             f"(with {num_kv_heads} KV heads, fewer than the ranks, the query heads split evenly)"
         )
-    if inter % n:
-        raise ValueError(
-            f"tensor_parallel_size {n} does not divide the model's intermediate size {inter} "
-            "(MLP columns are split evenly)"
-        )
+    expert_inter = getattr(hf_config, "moe_intermediate_size", None)
+    for name, size in (("intermediate size", inter), ("expert intermediate size", expert_inter)):
+        if size is not None and size % n:
+            raise ValueError(
+                f"tensor_parallel_size {n} does not divide the model's {name} {size} "
+                "(MLP columns are split evenly)"
+            )
     group = num_heads // num_kv_heads
     per_rank_vocab = -(-vocab // n)
     shards = []
@@ -134,7 +142,10 @@ def make_plan(hf_config: Any, world_size: int) -> TensorParallelPlan:
             q = (rank * num_heads // n, (rank + 1) * num_heads // n)
         rows = (min(rank * per_rank_vocab, vocab), min((rank + 1) * per_rank_vocab, vocab))
         span = (rank * inter // n, (rank + 1) * inter // n)
-        shards.append(RankShard(q, kv, span, rows, per_rank_vocab, head_dim))
+        experts = None
+        if expert_inter is not None:
+            experts = (rank * expert_inter // n, (rank + 1) * expert_inter // n)
+        shards.append(RankShard(q, kv, span, rows, per_rank_vocab, head_dim, experts))
     return TensorParallelPlan(n, tuple(shards))
 
 
@@ -173,6 +184,8 @@ def local_config(hf_config: Any, shard: RankShard) -> Any:
     local.num_key_value_heads = shard.kv_heads[1] - shard.kv_heads[0]
     local.head_dim = shard.head_dim
     local.intermediate_size = shard.intermediate[1] - shard.intermediate[0]
+    if shard.expert_intermediate is not None:
+        local.moe_intermediate_size = shard.expert_intermediate[1] - shard.expert_intermediate[0]
     local.vocab_size = shard.vocab_per_rank
     return local
 
@@ -187,8 +200,14 @@ def shard_weights(
     q = slice(shard.q_heads[0] * d, shard.q_heads[1] * d)
     kv = slice(shard.kv_heads[0] * d, shard.kv_heads[1] * d)
     mlp = slice(*shard.intermediate)
+    experts = slice(*(shard.expert_intermediate or shard.intermediate))  # Mixtral: the same
     for name, tensor in weights:
-        if ".q_proj." in name:
+        if ".experts." in name:  # one expert's projection: its share of the columns
+            if name.endswith((".w2.weight", ".down_proj.weight")):
+                tensor = _cols(tensor, experts, name)
+            else:  # w1 / w3, gate_proj / up_proj
+                tensor = _rows(tensor, experts)
+        elif ".q_proj." in name:
             tensor = _rows(tensor, q)
         elif ".k_proj." in name or ".v_proj." in name:
             tensor = _rows(tensor, kv)
