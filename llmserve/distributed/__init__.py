@@ -2,7 +2,7 @@
 
     plan.py            which heads / MLP columns / vocabulary rows each rank holds; the checks
                        that refuse a split (a size that does not divide the heads or the MLP)
-    layers.py          the pass that makes a Llama-shaped model (Llama, Qwen2/3, Gemma 1-3)
+    layers.py          the pass that makes a Llama-shaped model (Llama, Qwen2/3, Gemma 1-3, MoE)
                        tensor-parallel (vocabulary-parallel embedding and LM head, all-reduce
                        after o/down); float, run-time quantized or quantized-checkpoint layers
     process_group.py   gloo on CPU, NCCL on CUDA; torchrun's RANK / WORLD_SIZE / MASTER_ADDR
