@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from llmserve import LLM, SamplingParams
-from llmserve.distributed.plan import make_plan, shard_weights
+from llmserve.distributed.plan import make_plan
+from llmserve.distributed.weights import shard_weights
 from llmserve.sampling_params import BeamSearchParams
 from tests.conftest import assert_no_leaks
 from tests.quantization.tiny_llama import save_tiny_llama
@@ -132,11 +133,29 @@ def test_runtime_quantization_quantizes_each_shard(odd_kv_model):
                 assert abs(_value(pos_a[token]) - _value(pos_b[token])) < 0.02  # 0.004 seen
 
 
-@pytest.mark.parametrize("name", ["qwen3", "gemma2", "gemma3", "mixtral", "qwen3-moe"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "qwen3",
+        "gemma2",
+        "gemma3",
+        "mixtral",
+        "qwen3-moe",
+        "gpt2",
+        "bloom",
+        "falcon-40b-style",
+        "phi3",
+        "gpt-bigcode",
+        "opt-350m-style",
+    ],
+)
 def test_family_tp2_matches_tp1(name, tmp_path):
     """Beyond Llama: q/k norms (Qwen3, Gemma 3), a replicated KV head, soft-capping and
-    sliding windows (Gemma 2/3), the scaled and tied embedding (Gemma), and mixtures of
-    experts (every rank holds its share of each expert's columns, the router replicated)."""
+    sliding windows (Gemma 2/3), the scaled and tied embedding (Gemma), mixtures of experts
+    (every rank holds its share of each expert's columns, the router replicated), and the
+    checkpoints whose q/k/v come fused: GPT-2's Conv1D ``c_attn`` with biases, BLOOM's
+    per-head interleaved qkv and ALiBi slopes, Falcon-40B's per-KV-group qkv, Phi-3's fused
+    qkv and gate_up, GPT-BigCode's multi-query head, OPT-350m's embedding projections."""
     from llmserve.tokenizer import get_tokenizer
     from tests.test_model_families import PROMPTS as TOKEN_PROMPTS
     from tests.test_model_families import _save

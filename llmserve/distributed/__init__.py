@@ -2,9 +2,11 @@
 
     plan.py            which heads / MLP columns / vocabulary rows each rank holds; the checks
                        that refuse a split (a size that does not divide the heads or the MLP)
-    layers.py          the pass that makes a Llama-shaped model (Llama, Qwen2/3, Gemma 1-3, MoE)
-                       tensor-parallel (vocabulary-parallel embedding and LM head, all-reduce
-                       after o/down); float, run-time quantized or quantized-checkpoint layers
+    weights.py         which rows / columns of each checkpoint tensor a rank keeps (Llama's
+                       names as they stream; our names after a family's own layout change)
+    layers.py          the pass that makes a built model tensor-parallel (vocabulary-parallel
+                       embedding and LM head, all-reduce after o/down); float, run-time
+                       quantized or quantized-checkpoint layers
     process_group.py   gloo on CPU, NCCL on CUDA; torchrun's RANK / WORLD_SIZE / MASTER_ADDR
     executor.py        rank 0 keeps the scheduler and the sampler; ranks 1..N-1 (spawned, or
                        torchrun's) mirror its model calls from a small per-call message

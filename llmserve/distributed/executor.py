@@ -33,13 +33,8 @@ import torch.multiprocessing as mp
 from llmserve.config import EngineConfig
 from llmserve.distributed import process_group as pg
 from llmserve.distributed.layers import apply_tensor_parallel
-from llmserve.distributed.plan import (
-    TensorParallelPlan,
-    check_devices,
-    local_config,
-    make_plan,
-    shard_weights,
-)
+from llmserve.distributed.plan import TensorParallelPlan, check_devices, local_config, make_plan
+from llmserve.distributed.weights import shard_weights
 from llmserve.layers.paged_attention_torch import build_plan
 from llmserve.loader import ResolvedModel
 from llmserve.quantization import loading as quantization
@@ -123,15 +118,12 @@ def build_rank_runner(
     dtype = resolve_dtype(config.model.dtype, device)
     backend = resolve_attention_backend(config.device.attention_backend, device, dtype)
     shard = plan.shards[info.rank]
+    local = local_config(hf_config, shard)
+    # The Llama family's tensors are cut by checkpoint name as they stream; a decoder.py
+    # family's model cuts each one itself after its layout change (local.tp_shard).
+    select = None if hasattr(local, "tp_shard") else (lambda stream: shard_weights(stream, shard))
     model = load_model(  # the rank's smaller model, filled slice by slice
-        resolved,
-        local_config(hf_config, shard),
-        config,
-        max_model_len,
-        dtype,
-        device,
-        backend,
-        select=lambda stream: shard_weights(stream, shard),
+        resolved, local, config, max_model_len, dtype, device, backend, select=select
     )
     apply_tensor_parallel(model, shard, hf_config.vocab_size, plan.world_size)
     attn = model.layers[0].self_attn

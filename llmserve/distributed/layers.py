@@ -1,8 +1,9 @@
-"""Tensor parallelism applied to a Llama-shaped model (``plan.TP_ARCHITECTURES``), as a pass
-after loading.
+"""Tensor parallelism applied to a loaded rank's model (Llama, or any models/decoder.py family),
+as a pass after loading.
 
 The model is built from ``plan.local_config`` (this rank's heads, MLP columns and vocabulary
-rows), so its ``nn.Linear`` layers already have the local shapes:
+rows) and filled with its cut weights (``weights.py``), so its layers already have the local
+shapes:
 
     qkv_proj, gate_up_proj   column-parallel: local output rows, no communication
     o_proj, down_proj        row-parallel: local input columns; the block's output is summed
@@ -15,7 +16,7 @@ rows), so its ``nn.Linear`` layers already have the local shapes:
     lm_head                  vocabulary-parallel: local logits, all-gathered to the full vocab
 
 Quantized layers (a GGUF file's blocks, GPTQ/AWQ, the run-time methods) arrive already cut to
-the rank's share (``plan.shard_weights``); the wrappers call whatever layer is there.
+the rank's share (``weights.py``); the wrappers call whatever layer is there.
 """
 
 from __future__ import annotations
@@ -70,12 +71,8 @@ def apply_tensor_parallel(
     model: nn.Module, shard: RankShard, vocab_size: int, world_size: int
 ) -> nn.Module:
     """Make a model built from ``local_config`` compute its part and communicate the rest."""
-    for layer in model.layers:
-        attn = layer.self_attn
-        down = getattr(layer.mlp, "down_proj", None)  # None: a mixture of experts (no bias)
-        if attn.o_proj.bias is not None or getattr(down, "bias", None) is not None:
-            raise ValueError("tensor parallelism does not support a bias on o_proj or down_proj")
-        attn.register_forward_hook(_sum_over_ranks)
+    for layer in model.layers:  # row-parallel biases come on rank 0 only (weights.py)
+        layer.self_attn.register_forward_hook(_sum_over_ranks)
         layer.mlp.register_forward_hook(_sum_over_ranks)
     model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, shard)
     model.lm_head = ParallelLMHead(model.lm_head, vocab_size, world_size)  # tied: same rows

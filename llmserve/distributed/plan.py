@@ -15,31 +15,29 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from llmserve.quantization.layout import QuantizedWeight
+# Tensor parallelism covers the Llama family (models/llama.py: its checkpoint tensors are cut
+# by name as they stream, weights.shard_weights) and every models/decoder.py family (the rank's
+# model is built from a smaller spec, and cuts each tensor in our names after the family's own
+# layout changes, weights.cut_for_rank: fused or per-head qkv, Conv1D, experts). A mixture of
+# experts is split like a dense MLP: every rank holds every expert with its share of the
+# expert's columns, and the router is replicated (vLLM's tensor-parallel MoE).
 
-# Families whose checkpoints name their layers as Llama does (q/k/v/o_proj, gate/up/down_proj,
-# experts.E.{gate,up,down}_proj or Mixtral's experts.E.w1/w3/w2) and whose models are built
-# from num_attention_heads, num_key_value_heads, head_dim, intermediate_size (and
-# moe_intermediate_size) and vocab_size: a rank's model is the same family with smaller numbers.
-# A mixture of experts is split like a dense MLP: every rank holds every expert, with its share
-# of each expert's columns, and the router is replicated (vLLM's tensor-parallel MoE).
-TP_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-    "GemmaForCausalLM",
-    "Gemma2ForCausalLM",
-    "Gemma3ForCausalLM",
-    "MixtralForCausalLM",
-    "Qwen3MoeForCausalLM",
-)
+
+@dataclass(frozen=True)
+class ModelDims:
+    """What a split is computed from, read from the family's own config names."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate: int
+    expert_intermediate: int | None
+    vocab: int
 
 
 @dataclass(frozen=True)
@@ -53,6 +51,9 @@ class RankShard:
     vocab_per_rank: int
     head_dim: int
     expert_intermediate: tuple[int, int] | None = None  # each expert's columns (MoE models)
+    rank: int = 0  # rank 0 adds the biases of the row-parallel layers (o_proj, down_proj)
+    num_heads: int = 0  # the whole model's (to cut a fused [q; k; v] checkpoint tensor)
+    num_kv_heads: int = 0
 
 
 @dataclass(frozen=True)
@@ -99,18 +100,41 @@ def validate_parallel(config: Any) -> None:
         )
 
 
+def model_dims(hf_config: Any) -> ModelDims:
+    """Heads, MLP and vocabulary sizes of ``hf_config``'s model (a decoder.py family's from its
+    spec, which knows the family's config names), or a clear error if layers differ."""
+    from llmserve.models.decoder import DecoderLM, MoEConfig
+    from llmserve.models.registry import get_model_class
+
+    model_class = get_model_class(hf_config)
+    if not issubclass(model_class, DecoderLM):  # models/llama.py: Llama's config names
+        heads = hf_config.num_attention_heads
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+        kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+        return ModelDims(
+            heads, kv_heads, head_dim, hf_config.intermediate_size, None, hf_config.vocab_size
+        )
+    spec = model_class.build_spec(hf_config)
+    shapes = {(a.num_heads, a.num_kv_heads, a.head_dim) for a in spec.attention}
+    dense = {m.intermediate_size for m in spec.mlp if not isinstance(m, MoEConfig)}
+    experts = {m.intermediate_size for m in spec.mlp if isinstance(m, MoEConfig)}
+    if len(shapes) > 1 or len(dense) > 1 or len(experts) > 1:
+        raise ValueError(
+            f"tensor parallelism needs the same heads and MLP size in every layer; "
+            f"{model_class.__name__} here has attention {sorted(shapes)} and MLP "
+            f"{sorted(dense | experts)}: run it with --tensor-parallel-size 1"
+        )
+    (heads, kv_heads, head_dim), expert = shapes.pop(), (experts.pop() if experts else None)
+    return ModelDims(
+        heads, kv_heads, head_dim, dense.pop() if dense else expert, expert, spec.vocab_size
+    )
+
+
 def make_plan(hf_config: Any, world_size: int) -> TensorParallelPlan:
     """Split ``hf_config``'s model over ``world_size`` ranks, or say which size does not divide."""
-    arch = (getattr(hf_config, "architectures", None) or ["?"])[0]
-    if arch not in TP_ARCHITECTURES:
-        raise ValueError(
-            f"tensor parallelism supports {', '.join(TP_ARCHITECTURES)}; "
-            f"{arch} runs with --tensor-parallel-size 1"
-        )
-    num_heads = hf_config.num_attention_heads
-    num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
-    inter, vocab, n = hf_config.intermediate_size, hf_config.vocab_size, world_size
+    dims = model_dims(hf_config)
+    num_heads, num_kv_heads, head_dim = dims.num_heads, dims.num_kv_heads, dims.head_dim
+    inter, vocab, n = dims.intermediate, dims.vocab, world_size
     if num_kv_heads < n and n % num_kv_heads:
         raise ValueError(
             f"tensor_parallel_size {n} cannot split the model's {num_kv_heads} KV heads: with "
@@ -122,7 +146,7 @@ def make_plan(hf_config: Any, world_size: int) -> TensorParallelPlan:
             f"tensor_parallel_size {n} does not divide the model's {num_heads} attention heads "
             f"(with {num_kv_heads} KV heads, fewer than the ranks, the query heads split evenly)"
         )
-    expert_inter = getattr(hf_config, "moe_intermediate_size", None)
+    expert_inter = dims.expert_intermediate
     for name, size in (("intermediate size", inter), ("expert intermediate size", expert_inter)):
         if size is not None and size % n:
             raise ValueError(
@@ -145,7 +169,11 @@ def make_plan(hf_config: Any, world_size: int) -> TensorParallelPlan:
         experts = None
         if expert_inter is not None:
             experts = (rank * expert_inter // n, (rank + 1) * expert_inter // n)
-        shards.append(RankShard(q, kv, span, rows, per_rank_vocab, head_dim, experts))
+        shards.append(
+            RankShard(
+                q, kv, span, rows, per_rank_vocab, head_dim, experts, rank, num_heads, num_kv_heads
+            )
+        )
     return TensorParallelPlan(n, tuple(shards))
 
 
@@ -178,75 +206,18 @@ def usable_cpus() -> int:
 
 
 def local_config(hf_config: Any, shard: RankShard) -> Any:
-    """A copy of the config that builds exactly one rank's (smaller) model."""
+    """A copy of the config that builds exactly one rank's (smaller) model: Llama's with
+    smaller counts; a decoder.py family's carrying ``tp_shard``, which its spec applies."""
+    from llmserve.models.decoder import DecoderLM
+    from llmserve.models.registry import get_model_class
+
     local = copy.deepcopy(hf_config)
+    if issubclass(get_model_class(hf_config), DecoderLM):
+        local.tp_shard = shard
+        return local
     local.num_attention_heads = shard.q_heads[1] - shard.q_heads[0]
     local.num_key_value_heads = shard.kv_heads[1] - shard.kv_heads[0]
     local.head_dim = shard.head_dim
     local.intermediate_size = shard.intermediate[1] - shard.intermediate[0]
-    if shard.expert_intermediate is not None:
-        local.moe_intermediate_size = shard.expert_intermediate[1] - shard.expert_intermediate[0]
     local.vocab_size = shard.vocab_per_rank
     return local
-
-
-def shard_weights(
-    weights: Iterator[tuple[str, torch.Tensor | QuantizedWeight]], shard: RankShard
-) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
-    """Slice each full checkpoint tensor (Hugging Face names) to ``shard`` as it streams by;
-    the full tensor is dropped before the next one is read. Quantized weights (GGUF blocks,
-    GPTQ/AWQ layers) are cut the same way, row-parallel ones on group boundaries."""
-    d = shard.head_dim
-    q = slice(shard.q_heads[0] * d, shard.q_heads[1] * d)
-    kv = slice(shard.kv_heads[0] * d, shard.kv_heads[1] * d)
-    mlp = slice(*shard.intermediate)
-    experts = slice(*(shard.expert_intermediate or shard.intermediate))  # Mixtral: the same
-    for name, tensor in weights:
-        if ".experts." in name:  # one expert's projection: its share of the columns
-            if name.endswith((".w2.weight", ".down_proj.weight")):
-                tensor = _cols(tensor, experts, name)
-            else:  # w1 / w3, gate_proj / up_proj
-                tensor = _rows(tensor, experts)
-        elif ".q_proj." in name:
-            tensor = _rows(tensor, q)
-        elif ".k_proj." in name or ".v_proj." in name:
-            tensor = _rows(tensor, kv)
-        elif ".o_proj." in name:
-            tensor = _cols(tensor, q, name)
-        elif ".gate_proj." in name or ".up_proj." in name:
-            tensor = _rows(tensor, mlp)
-        elif ".down_proj." in name:
-            tensor = _cols(tensor, mlp, name)
-        elif name.endswith(("embed_tokens.weight", "lm_head.weight")):
-            tensor = _vocab_rows(tensor, shard)
-        yield name, tensor.contiguous() if isinstance(tensor, torch.Tensor) else tensor
-
-
-def _rows(tensor: torch.Tensor | QuantizedWeight, rows: slice):
-    if isinstance(tensor, QuantizedWeight):
-        return tensor.select_rows(torch.arange(rows.start, rows.stop))
-    return tensor[rows]
-
-
-def _cols(tensor: torch.Tensor | QuantizedWeight, cols: slice, name: str):
-    if not isinstance(tensor, QuantizedWeight):
-        return tensor[:, cols]
-    try:
-        return tensor.select_cols(cols.start, cols.stop)
-    except ValueError as e:
-        raise ValueError(
-            f"{name}: this rank's input columns {cols.start}..{cols.stop} cannot be cut from "
-            f"the quantized weight ({e}); run this checkpoint with --tensor-parallel-size 1 "
-            "(or quantize it with a group size that divides each rank's share)"
-        ) from None
-
-
-def _vocab_rows(table: torch.Tensor | QuantizedWeight, shard: RankShard):
-    start, end = shard.vocab
-    rows = _rows(table, slice(start, end))  # [<= vocab_per_rank, hidden]
-    pad = shard.vocab_per_rank - rows.shape[0]
-    if not pad:
-        return rows
-    if isinstance(rows, QuantizedWeight):
-        return rows.pad_rows(pad)
-    return torch.nn.functional.pad(rows, (0, 0, 0, pad))

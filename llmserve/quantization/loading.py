@@ -107,6 +107,7 @@ def install_quantized_weights(
         if target is None:
             continue
         weight = weight if order is None else weight.select_rows(order)
+        weight = _cut_for_rank(model, hf_name, weight)
         if target == EMBEDDING:
             embedding = weight
             continue
@@ -116,9 +117,11 @@ def install_quantized_weights(
             model.get_submodule(moe_name).unstack_experts()
         _check_linear(model, module_name, hf_name)
         fused[module_name][shard] = weight.to(device)
-        bias = biases.get(hf_name.removesuffix(".weight") + ".bias")
+        bias_name = hf_name.removesuffix(".weight") + ".bias"
+        bias = biases.get(bias_name)
         if bias is not None:
-            fused_bias[module_name][shard] = bias if order is None else bias[order]
+            bias = bias if order is None else bias[order]
+            fused_bias[module_name][shard] = _cut_for_rank(model, bias_name, bias)
     for module_name, parts_by_shard in fused.items():
         linear = model.get_submodule(module_name)
         parts = _in_shard_order(module_name, parts_by_shard, model)
@@ -133,6 +136,13 @@ def install_quantized_weights(
     _check_all_experts_quantized(model)
     if embedding is not None:  # last: a tied LM head then multiplies by the same blocks
         _install_embedding(model, embedding.to(device), kernel, method)
+
+
+def _cut_for_rank(model: nn.Module, hf_name: str, tensor):
+    """A tensor-parallel rank's share of a decoder.py family's weight (the Llama family's
+    arrive cut already); the tensor itself otherwise."""
+    cut = getattr(model, "cut_for_rank", None)
+    return tensor if cut is None else cut(hf_name, tensor)
 
 
 def _check_linear(model: nn.Module, module_name: str, hf_name: str) -> None:
