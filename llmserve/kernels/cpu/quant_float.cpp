@@ -120,64 +120,151 @@ inline HalfScales half_scales(const float* sc, const float* mn, int64_t b, int64
   return {sc[g0], sc[g1], mn != nullptr ? mn[g0] : 0.0f, mn != nullptr ? mn[g1] : 0.0f};
 }
 
-template <int R>
+// Both SIMD paths compute NB output rows at once (R rows of x each): R * NB independent
+// accumulator chains hide the FMA latency (one row alone waits on its own chain: 2-4 dependent
+// FMAs per block), and each x vector loaded serves NB weight rows.
+
+// AVX-512: the 32 values of a 4-bit block's 16 bytes (low nibbles, then high), as floats:
+// the codes themselves, or their lut entries (NF4 / FP4)
 __attribute__((target("avx512f,avx512bw,avx512vl,fma")))
-void gemv_avx512(const Weight& w, const float* x, int64_t m0, int64_t n0, int64_t n1, float* y,
-                 int64_t n_total) {
-  const __m512i low4 = _mm512_set1_epi32(15);
-  const int64_t num_blocks = w.k / kBlock;
-  const int64_t bpg = w.group >= kBlock ? w.group / kBlock : 0;
-  for (int64_t n = n0; n < n1; ++n) {
-    __m512 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-    const float* sc = w.scales + n * w.groups_per_row;
-    const float* mn = w.mins != nullptr ? w.mins + n * w.groups_per_row : nullptr;
-    HalfScales hs = half_scales(sc, mn, 0, bpg);
-    for (int64_t b = 0, in_group = 0; b < num_blocks; ++b, ++in_group) {
-      if (bpg == 0 || in_group == bpg) {  // a new group starts: no division per block
-        hs = half_scales(sc, mn, b, bpg);
-        in_group = 0;
-      }
-      __m512 v0, v1;
-      if (w.q4 != nullptr) {
-        const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(w.q4 + n * (w.k / 2) + b * 16)));
-        v0 = _mm512_cvtepi32_ps(_mm512_and_si512(q, low4));
-        v1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4));
-      } else {
-        const int8_t* p = w.q8 + n * w.k + b * kBlock;
-        v0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
-        v1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + 16))));
-      }
-      const __m512 w0 = _mm512_fmadd_ps(v0, _mm512_set1_ps(hs.s0), _mm512_set1_ps(hs.m0));
-      const __m512 w1 = _mm512_fmadd_ps(v1, _mm512_set1_ps(hs.s1), _mm512_set1_ps(hs.m1));
-      for (int r = 0; r < R; ++r) {
-        const float* xr = x + (m0 + r) * w.k + b * kBlock;
-        acc[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), acc[r]);
-        acc[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), acc[r]);
-      }
-    }
-    for (int r = 0; r < R; ++r) y[(m0 + r) * n_total + n] = _mm512_reduce_add_ps(acc[r]);
+inline void values512(const Weight& w, const uint8_t* p, __m512* lo, __m512* hi) {
+  const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+  const __m512i c0 = _mm512_and_si512(q, _mm512_set1_epi32(15)), c1 = _mm512_srli_epi32(q, 4);
+  if (w.has_lut) {
+    const __m512 table = _mm512_loadu_ps(w.lut);
+    *lo = _mm512_permutexvar_ps(c0, table);
+    *hi = _mm512_permutexvar_ps(c1, table);
+  } else {
+    *lo = _mm512_cvtepi32_ps(c0);
+    *hi = _mm512_cvtepi32_ps(c1);
   }
 }
 
-// AVX2: four 8-lane vectors per block (columns 0..7, 8..15, 16..23, 24..31).
+// AVX-512: the two 16-column halves of block b of row n, decoded, scaled and shifted
+__attribute__((target("avx512f,avx512bw,avx512vl,fma")))
+inline void decode_halves512(const Weight& w, int64_t n, int64_t b, const HalfScales& hs, __m512* v0,
+                             __m512* v1) {
+  __m512 a, c;
+  if (w.q4 != nullptr) {
+    values512(w, w.q4 + n * (w.k / 2) + b * 16, &a, &c);
+  } else {
+    const int8_t* p = w.q8 + n * w.k + b * kBlock;
+    a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+    c = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + 16))));
+  }
+  *v0 = _mm512_fmadd_ps(a, _mm512_set1_ps(hs.s0), _mm512_set1_ps(hs.m0));
+  *v1 = _mm512_fmadd_ps(c, _mm512_set1_ps(hs.s1), _mm512_set1_ps(hs.m1));
+}
+
+// AVX-512, groups of 32 columns or more (kLate): the block's raw values v are multiplied with
+// x first and the group scale applied to that partial sum, acc += s * (v0 . x0 + v1 . x1): one
+// FP op fewer per block and row of x than decoding w = s * v + m, for R <= 2; the mins add
+// m . (sum of x over the group) per row at the end (gsum: [R, groups_per_row]).
+// y[m0 + r, n + j] for r < R, j < NB
+template <int R, int NB, bool kLate>
+__attribute__((target("avx512f,avx512bw,avx512vl,fma")))
+void gemv_tile512(const Weight& w, const float* x, int64_t m0, int64_t n, float* y, int64_t n_total,
+                  const float* gsum) {
+  const int64_t num_blocks = w.k / kBlock;
+  const int64_t bpg = w.group >= kBlock ? w.group / kBlock : 0;
+  __m512 acc[R][NB];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_setzero_ps();
+  const float* sc[NB];
+  const float* mn[NB];
+  HalfScales hs[NB];
+  for (int j = 0; j < NB; ++j) {
+    sc[j] = w.scales + (n + j) * w.groups_per_row;
+    mn[j] = w.mins != nullptr ? w.mins + (n + j) * w.groups_per_row : nullptr;
+  }
+  for (int64_t b = 0, in_group = 0; b < num_blocks; ++b, ++in_group) {
+    if (b == 0 || bpg == 0 || in_group == bpg) {  // a new group starts: no division per block
+      if constexpr (kLate) {
+        for (int j = 0; j < NB; ++j) hs[j].s0 = sc[j][b / bpg];
+      } else {
+        for (int j = 0; j < NB; ++j) hs[j] = half_scales(sc[j], mn[j], b, bpg);
+      }
+      in_group = 0;
+    }
+    __m512 v0[NB], v1[NB];
+    if constexpr (kLate) {
+      for (int j = 0; j < NB; ++j) {
+        if (w.q4 != nullptr) {
+          values512(w, w.q4 + (n + j) * (w.k / 2) + b * 16, &v0[j], &v1[j]);
+        } else {
+          const int8_t* p = w.q8 + (n + j) * w.k + b * kBlock;
+          v0[j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+          v1[j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + 16))));
+        }
+      }
+    } else {
+      for (int j = 0; j < NB; ++j) decode_halves512(w, n + j, b, hs[j], &v0[j], &v1[j]);
+    }
+    for (int r = 0; r < R; ++r) {
+      const float* xr = x + (m0 + r) * w.k + b * kBlock;
+      const __m512 x0 = _mm512_loadu_ps(xr), x1 = _mm512_loadu_ps(xr + 16);
+      for (int j = 0; j < NB; ++j) {
+        if constexpr (kLate) {
+          const __m512 t = _mm512_fmadd_ps(v1[j], x1, _mm512_mul_ps(v0[j], x0));
+          acc[r][j] = _mm512_fmadd_ps(t, _mm512_set1_ps(hs[j].s0), acc[r][j]);
+        } else {
+          acc[r][j] = _mm512_fmadd_ps(v0[j], x0, acc[r][j]);
+          acc[r][j] = _mm512_fmadd_ps(v1[j], x1, acc[r][j]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j) {
+      float out = _mm512_reduce_add_ps(acc[r][j]);
+      if (kLate && mn[j] != nullptr)
+        for (int64_t g = 0; g < w.groups_per_row; ++g) out += mn[j][g] * gsum[r * w.groups_per_row + g];
+      y[(m0 + r) * n_total + n + j] = out;
+    }
+}
+
 template <int R>
+void gemv_avx512(const Weight& w, const float* x, int64_t m0, int64_t n0, int64_t n1, float* y,
+                 int64_t n_total) {
+  int64_t n = n0;
+  if (R <= 2 && w.group >= kBlock) {
+    std::vector<float> gsum(R * w.groups_per_row, 0.0f);
+    if (w.mins != nullptr)
+      for (int r = 0; r < R; ++r)
+        for (int64_t c = 0; c < w.k; ++c) gsum[r * w.groups_per_row + c / w.group] += x[(m0 + r) * w.k + c];
+    for (; n + 4 <= n1; n += 4) gemv_tile512<R, 4, true>(w, x, m0, n, y, n_total, gsum.data());
+    for (; n < n1; ++n) gemv_tile512<R, 1, true>(w, x, m0, n, y, n_total, gsum.data());
+    return;
+  }
+  for (; n + 4 <= n1; n += 4) gemv_tile512<R, 4, false>(w, x, m0, n, y, n_total, nullptr);
+  for (; n < n1; ++n) gemv_tile512<R, 1, false>(w, x, m0, n, y, n_total, nullptr);
+}
+
+// AVX2: four 8-lane vectors per block (columns 0..7, 8..15, 16..23, 24..31); 16 registers
+// hold R * NB * 2 accumulators (columns 0..15 and 16..31 on separate chains)
+template <int R, int NB>
 __attribute__((target("avx2,fma")))
-void gemv_avx2(const Weight& w, const float* x, int64_t m0, int64_t n0, int64_t n1, float* y,
-               int64_t n_total) {
+void gemv_tile256(const Weight& w, const float* x, int64_t m0, int64_t n, float* y, int64_t n_total) {
   const __m256i low4 = _mm256_set1_epi32(15);
   const int64_t num_blocks = w.k / kBlock;
   const int64_t bpg = w.group >= kBlock ? w.group / kBlock : 0;
-  for (int64_t n = n0; n < n1; ++n) {
-    __m256 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    const float* sc = w.scales + n * w.groups_per_row;
-    const float* mn = w.mins != nullptr ? w.mins + n * w.groups_per_row : nullptr;
-    HalfScales hs = half_scales(sc, mn, 0, bpg);
-    for (int64_t b = 0, in_group = 0; b < num_blocks; ++b, ++in_group) {
+  __m256 acc[R][NB][2];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j) acc[r][j][0] = acc[r][j][1] = _mm256_setzero_ps();
+  HalfScales hs[NB];
+  for (int64_t b = 0, in_group = 0; b < num_blocks; ++b, ++in_group) {
+    if (b == 0 || bpg == 0 || in_group == bpg) {
+      for (int j = 0; j < NB; ++j) {
+        const int64_t row = (n + j) * w.groups_per_row;
+        hs[j] = half_scales(w.scales + row, w.mins != nullptr ? w.mins + row : nullptr, b, bpg);
+      }
+      in_group = 0;
+    }
+    __m256 wv[NB][4];
+    for (int j = 0; j < NB; ++j) {
       __m256 v[4];
       if (w.q4 != nullptr) {
-        const uint8_t* p = w.q4 + n * (w.k / 2) + b * 16;
+        const uint8_t* p = w.q4 + (n + j) * (w.k / 2) + b * 16;
         const __m256i qa = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
         const __m256i qb = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8)));
         v[0] = _mm256_cvtepi32_ps(_mm256_and_si256(qa, low4));
@@ -185,31 +272,41 @@ void gemv_avx2(const Weight& w, const float* x, int64_t m0, int64_t n0, int64_t 
         v[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(qa, 4));
         v[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(qb, 4));
       } else {
-        const int8_t* p = w.q8 + n * w.k + b * kBlock;
+        const int8_t* p = w.q8 + (n + j) * w.k + b * kBlock;
         for (int i = 0; i < 4; ++i)
           v[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8 * i))));
       }
-      if (bpg == 0 || in_group == bpg) {
-        hs = half_scales(sc, mn, b, bpg);
-        in_group = 0;
-      }
-      __m256 wv[4];
       for (int i = 0; i < 4; ++i) {
         const bool high = i >= 2;
-        wv[i] = _mm256_fmadd_ps(v[i], _mm256_set1_ps(high ? hs.s1 : hs.s0), _mm256_set1_ps(high ? hs.m1 : hs.m0));
-      }
-      for (int r = 0; r < R; ++r) {
-        const float* xr = x + (m0 + r) * w.k + b * kBlock;
-        for (int i = 0; i < 4; ++i) acc[r] = _mm256_fmadd_ps(wv[i], _mm256_loadu_ps(xr + 8 * i), acc[r]);
+        wv[j][i] = _mm256_fmadd_ps(v[i], _mm256_set1_ps(high ? hs[j].s1 : hs[j].s0),
+                                   _mm256_set1_ps(high ? hs[j].m1 : hs[j].m0));
       }
     }
     for (int r = 0; r < R; ++r) {
-      __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
-      s = _mm_hadd_ps(s, s);
-      s = _mm_hadd_ps(s, s);
-      y[(m0 + r) * n_total + n] = _mm_cvtss_f32(s);
+      const float* xr = x + (m0 + r) * w.k + b * kBlock;
+      for (int i = 0; i < 4; ++i) {
+        const __m256 xv = _mm256_loadu_ps(xr + 8 * i);
+        for (int j = 0; j < NB; ++j) acc[r][j][i / 2] = _mm256_fmadd_ps(wv[j][i], xv, acc[r][j][i / 2]);
+      }
     }
   }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j) {
+      const __m256 sum = _mm256_add_ps(acc[r][j][0], acc[r][j][1]);
+      __m128 s = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+      s = _mm_hadd_ps(s, s);
+      s = _mm_hadd_ps(s, s);
+      y[(m0 + r) * n_total + n + j] = _mm_cvtss_f32(s);
+    }
+}
+
+template <int R>
+void gemv_avx2(const Weight& w, const float* x, int64_t m0, int64_t n0, int64_t n1, float* y,
+               int64_t n_total) {
+  constexpr int kNb = R <= 1 ? 2 : 1;  // accumulators and decoded vectors fit 16 registers
+  int64_t n = n0;
+  for (; n + kNb <= n1; n += kNb) gemv_tile256<R, kNb>(w, x, m0, n, y, n_total);
+  for (; n < n1; ++n) gemv_tile256<R, 1>(w, x, m0, n, y, n_total);
 }
 #endif
 
@@ -227,7 +324,7 @@ Path pick_path(const Weight& w, const std::string& isa) {
               "quant_linear_f32: isa must be auto, avx512, avx2 or scalar, got ", isa);
   TORCH_CHECK(isa != "avx512" || has512, "quant_linear_f32: this CPU has no AVX-512");
   TORCH_CHECK(isa != "avx2" || has2, "quant_linear_f32: this CPU has no AVX2/FMA");
-  if (w.has_lut || isa == "scalar") return Path::kGeneric;
+  if (isa == "scalar") return Path::kGeneric;
   if (has512 && isa != "avx2") return Path::kAvx512;
   if (has2) return Path::kAvx2;
   return Path::kGeneric;
@@ -238,7 +335,7 @@ void gemv_dispatch(Path path, const Weight& w, const float* x, int64_t m0, int64
                    float* y, int64_t n_total) {
 #if defined(__x86_64__)
   if (path == Path::kAvx512) return gemv_avx512<R>(w, x, m0, n0, n1, y, n_total);
-  if (path == Path::kAvx2) return gemv_avx2<R>(w, x, m0, n0, n1, y, n_total);
+  if (path == Path::kAvx2 && !w.has_lut) return gemv_avx2<R>(w, x, m0, n0, n1, y, n_total);
 #endif
   gemv_rows_generic(w, x, m0, R, n0, n1, y, n_total);
 }
@@ -278,7 +375,7 @@ void decode_rows_avx512(const Weight& w, int64_t n0, int64_t n1, float* out) {
 // rows [n0, n1) decoded to float: out[(n - n0) * K + k]
 void decode_rows(Path path, const Weight& w, int64_t n0, int64_t n1, float* out) {
 #if defined(__x86_64__)
-  if (path == Path::kAvx512 && w.q4 != nullptr) return decode_rows_avx512(w, n0, n1, out);
+  if (path == Path::kAvx512 && w.q4 != nullptr && !w.has_lut) return decode_rows_avx512(w, n0, n1, out);
 #endif
   for (int64_t n = n0; n < n1; ++n)
     for (int64_t b = 0; b < w.k / kBlock; ++b) decode_block(w, n, b, out + (n - n0) * w.k + b * kBlock);
