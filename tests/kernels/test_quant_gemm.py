@@ -345,7 +345,9 @@ def test_auto_mode_picks_by_rows():
         else quant.quant_linear(small, weight, act_digits=2)
     )
     assert torch.equal(auto(small, weight), decode)
-    assert not torch.equal(quant.quant_linear_f32(small, weight), quant.quant_linear(small, weight, act_digits=2))
+    assert not torch.equal(
+        quant.quant_linear_f32(small, weight), quant.quant_linear(small, weight, act_digits=2)
+    )
     assert torch.equal(auto(large, weight), quant.quant_linear_f32(large, weight, bf16_gemm=True))
     with pytest.raises(AssertionError):
         quant.linear_function("int4")
