@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from llmserve.kernels import cpu as cpu_kernels
 from llmserve.layers.attention_metadata import AttentionMetadata
 from llmserve.layers.paged_attention_eager import ScoreOptions, paged_attention_eager
 from llmserve.layers.paged_attention_torch import TorchAttentionPlan, paged_attention_torch
@@ -73,6 +74,17 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """q ``[T, H * D]``, k/v ``[T, kvh * D]`` -> ``[T, H * D]``."""
+        plan = meta.plan
+        if (
+            isinstance(plan, TorchAttentionPlan)
+            and plan.native_decode
+            and meta.num_decodes == q.shape[0]
+            and not self.needs_eager(meta)
+        ):  # decodes only, C++ kernels: the K/V write and the attention in one call
+            return cpu_kernels.decode_attention(
+                q, k, v, *kv_cache, meta.slot_mapping, plan.decode_tables,
+                plan.decode_seq_lens, self.scale,
+            )  # fmt: skip
         num_tokens = q.shape[0]
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)

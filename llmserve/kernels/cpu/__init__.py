@@ -33,7 +33,7 @@ ISAS = ("avx512", "avx2", "scalar")
 LIBRARY = NativeLibrary(
     name="llmserve_cpu_kernels",
     namespace="llmserve_cpu",
-    sources=[_HERE / "paged_attention.cpp", _HERE / "fused.cpp"],
+    sources=[_HERE / n for n in ("paged_attention.cpp", "fused.cpp", "kernels_bindings.cpp")],
     headers=[
         _HERE / n for n in ("vec.h", "isa.h", "per_isa.h", "paged_attention_impl.h", "fused_impl.h")
     ],
@@ -50,6 +50,11 @@ def available() -> bool:
 def _ops():
     """The registered ops, building them first if needed."""
     return LIBRARY.ops()
+
+
+def _direct():
+    """The same functions bound directly (no dispatcher): the per-call wrappers below."""
+    return LIBRARY.direct()
 
 
 def current_isa() -> str:
@@ -95,26 +100,44 @@ def paged_decode_attention(
     ``[n, H, D]`` in q's dtype (fp32 arithmetic)."""
     if out is None:
         out = torch.empty_like(q)
-    _ops().paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, out)
+    _direct().paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, out)
     return out
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """A step of decodes in one call: ``k, v [T, kvh * D]`` written at ``slot_mapping``, then
+    ``q [T, H * D]`` attends over each sequence's blocks -> ``[T, H * D]``."""
+    return _direct().decode_attention(
+        q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, scale
+    )
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``x / sqrt(mean(x^2) + eps) * weight`` over the last dimension."""
-    return _ops().rms_norm(x, weight.to(x.dtype), eps)
+    return _direct().rms_norm(x, weight.to(x.dtype), eps)
 
 
 def fused_add_rms_norm_(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """In place: ``residual += x``, then ``x = rms_norm(residual)``; returns ``(x, residual)``."""
-    _ops().fused_add_rms_norm_(x, residual, weight.to(x.dtype), eps)
+    _direct().fused_add_rms_norm_(x, residual, weight.to(x.dtype), eps)
     return x, residual
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``[..., 2d] -> silu(x[..., :d]) * x[..., d:]``."""
-    return _ops().silu_and_mul(x)
+    return _direct().silu_and_mul(x)
 
 
 def rotary_interleaved(
@@ -122,4 +145,4 @@ def rotary_interleaved(
 ) -> torch.Tensor:
     """``x: [T, heads * D]`` (rows may be strided), pairs ``(x[2i], x[2i+1])`` of each head
     rotated by ``cis[position]`` (``[max_pos, D/2, 2]`` cos/sin) -> a new contiguous tensor."""
-    return _ops().rotary_interleaved(x, positions, cis, head_dim)
+    return _direct().rotary_interleaved(x, positions, cis, head_dim)

@@ -1,7 +1,9 @@
 """Build-on-first-use for the C++ CPU libraries (torch's extension builder, cached by torch).
 
 A ``NativeLibrary`` compiles its sources the first time ``available()`` is asked, once per
-process (thread-safe), and answers False instead of raising when there is no compiler or
+process (thread-safe), into one module: its ops registered with torch (``ops()``,
+``torch.ops.<namespace>``) and the hot ones also bound directly with pybind11 (``direct()``:
+about 0.3 us a call instead of the dispatcher's 1.8), and answers False instead of raising when there is no compiler or
 ``LLMSERVE_CPU_KERNELS=0`` is set, so callers keep their plain-torch path. The headers' hash
 is passed as a flag: torch rebuilds when a source or a flag changes, so a header change counts.
 """
@@ -37,6 +39,7 @@ class NativeLibrary:
         self.sources, self.headers, self.cflags = sources, headers, cflags
         self.probe_ops = probe_ops
         self._ok: bool | None = None
+        self._module = None
         self._lock = threading.Lock()
 
     def available(self) -> bool:
@@ -52,6 +55,12 @@ class NativeLibrary:
         if not self.available():
             raise RuntimeError(f"the C++ library {self.name} is not built (the log says why)")
         return getattr(torch.ops, self.namespace)
+
+    def direct(self):
+        """The Python module of the direct bindings (the same functions as ``ops()``'s)."""
+        if not self.available():
+            raise RuntimeError(f"the C++ library {self.name} is not built (the log says why)")
+        return self._module
 
     def _try_build(self) -> bool:
         if os.environ.get("LLMSERVE_CPU_KERNELS", "1") == "0":
@@ -73,13 +82,13 @@ class NativeLibrary:
             os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
         digest = hashlib.sha256(b"".join(p.read_bytes() for p in self.headers)).hexdigest()
         logger.info("building the C++ library %s (once per machine; cached by torch)", self.name)
-        load(
+        self._module = load(
             name=self.name,
             sources=[str(p) for p in self.sources],
             # -fopenmp: at::parallel_for is an OpenMP region compiled into this library; the
             # process already has torch's libgomp loaded, which the library then shares.
             extra_cflags=["-O3", "-fopenmp", *self.cflags, f"-DLLMSERVE_HEADERS={digest[:16]}"],
             extra_ldflags=["-fopenmp"],
-            is_python_module=False,
+            is_python_module=True,
             verbose=False,
         )

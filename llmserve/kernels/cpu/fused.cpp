@@ -13,6 +13,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <torch/extension.h>  // pybind11, for the direct bindings
 #include <torch/library.h>
 
 #include <cmath>
@@ -144,6 +145,14 @@ at::Tensor rotary_interleaved(const at::Tensor& x, const at::Tensor& positions, 
 }
 
 }  // namespace
+
+// the same functions for direct calls from Python (bindings.cpp: no dispatcher on the hot path)
+void llmserve_bind_fused(pybind11::module_& m) {
+  m.def("rms_norm", &rms_norm);
+  m.def("fused_add_rms_norm_", &fused_add_rms_norm_);
+  m.def("silu_and_mul", &silu_and_mul);
+  m.def("rotary_interleaved", &rotary_interleaved);
+}
 
 TORCH_LIBRARY_FRAGMENT(llmserve_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");

@@ -23,6 +23,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <torch/extension.h>  // pybind11, for the direct bindings
 #include <torch/library.h>
 
 #include <algorithm>
@@ -153,6 +154,24 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
   LLMSERVE_DISPATCH(run(b, chunks));
 }
 
+// A step of decodes only, in one call: this step's k/v rows ([T, kvh * D], rows may be
+// strided) written at their pool slots, then q ([T, H * D]) attending -> [T, H * D]. The
+// same work as index_copy_ twice and paged_decode_attention, without a dozen Python-level
+// view/copy calls per layer around them.
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                            const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(k_cache.dim() == 4, "decode_attention: k_cache must be [blocks, block_size, kvh, D]");
+  const int64_t tokens = q.size(0), kv_heads = k_cache.size(2), head_dim = k_cache.size(3);
+  TORCH_CHECK(q.dim() == 2 && q.size(1) % head_dim == 0, "decode_attention: q must be [T, H * D]");
+  k_cache.view({-1, kv_heads, head_dim}).index_copy_(0, slot_mapping, k.view({tokens, kv_heads, head_dim}));
+  v_cache.view({-1, kv_heads, head_dim}).index_copy_(0, slot_mapping, v.view({tokens, kv_heads, head_dim}));
+  const at::Tensor q3 = q.reshape({tokens, q.size(1) / head_dim, head_dim}).contiguous();
+  at::Tensor out = at::empty_like(q3);
+  paged_decode_attention(q3, k_cache, v_cache, block_tables, seq_lens, scale, out);
+  return out.view({tokens, q.size(1)});
+}
+
 // "auto", "avx512", "avx2" or "scalar": the path every kernel of this library takes from now
 // on (tests force each one); returns the one chosen. "" only reports the current one.
 std::string set_isa(const std::string& name) {
@@ -161,6 +180,11 @@ std::string set_isa(const std::string& name) {
 }
 
 }  // namespace
+
+void llmserve_bind_paged_attention(pybind11::module_& m) {
+  m.def("paged_decode_attention", &paged_decode_attention);
+  m.def("decode_attention", &decode_attention);
+}
 
 TORCH_LIBRARY(llmserve_cpu, m) {
   m.def(

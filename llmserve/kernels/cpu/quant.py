@@ -37,7 +37,7 @@ ISAS = ("avx512_vnni", "avx2", "scalar")
 LIBRARY = NativeLibrary(
     name="llmserve_cpu_quant",
     namespace="llmserve_quant",
-    sources=[_HERE / "quant_gemm.cpp", _HERE / "quant_float.cpp"],
+    sources=[_HERE / n for n in ("quant_gemm.cpp", "quant_float.cpp", "quant_bindings.cpp")],
     headers=[_HERE / "quant_gemm.h"],
     cflags=[],
     probe_ops=("quant_linear", "quant_linear_f32"),
@@ -105,7 +105,7 @@ def quant_linear(
     ``act_digits=2`` ("int8x2") keeps two int8 digits per activation, ``x = xs * (hi + lo / 128)``:
     an error of ``xs / 256`` instead of ``xs / 2`` for twice the integer dot products.
     The ``mins`` term uses the exact float sum of ``x`` over each group."""
-    return _ops().quant_linear(
+    return LIBRARY.direct().quant_linear(
         x, weight.qweight, weight.scales, weight.mins, weight.lut, weight.perm,
         weight.bits, weight.group_size, bias, isa, act_digits,
     )  # fmt: skip
@@ -150,8 +150,8 @@ def linear_function(mode: str) -> Callable[..., torch.Tensor]:
                 decode-then-GEMM float path, in bf16 tiles on CPUs with AVX512_BF16 (oneDNN's
                 AMX/BF16 GEMM), where compute decides
     """
-    ops = _ops()
-    f32, integer = ops.quant_linear_f32, ops.quant_linear
+    direct = LIBRARY.direct()  # pybind11 calls: no dispatcher on the per-layer path
+    f32, integer = direct.quant_linear_f32, direct.quant_linear
 
     def float_linear(x, w, bias=None, bf16_gemm=False):
         return f32(
@@ -195,7 +195,7 @@ def quant_linear_f32(
     weights are decoded in registers and multiplied in fp32; ``perm`` is applied inside.
     ``bf16_gemm``: from 16 rows on, tiles of the weight decoded to bf16 and multiplied by
     ATen's bf16 GEMM (on CPUs with AVX512_BF16; elsewhere the fp32 path runs)."""
-    return _ops().quant_linear_f32(
+    return LIBRARY.direct().quant_linear_f32(
         x, weight.qweight, weight.scales, weight.mins, weight.lut, weight.perm,
         weight.bits, weight.group_size, bias, isa, bf16_gemm,
     )  # fmt: skip

@@ -19,6 +19,7 @@
 // No -march: the hot loops are compiled for x86-64-v4 (AVX-512), v3 (AVX2+FMA) and the
 // baseline by GCC's target_clones, which picks one when the library loads.
 #include <ATen/Parallel.h>
+#include <torch/extension.h>  // pybind11, for the direct bindings
 #include <torch/library.h>
 #include <torch/torch.h>
 
@@ -519,6 +520,8 @@ at::Tensor quant_linear_f32(const at::Tensor& x_in, const at::Tensor& qweight, c
 }
 
 }  // namespace
+
+void llmserve_bind_quant_float(pybind11::module_& m) { m.def("quant_linear_f32", &quant_linear_f32); }
 
 TORCH_LIBRARY_FRAGMENT(llmserve_quant, m) {
   m.def(

@@ -26,6 +26,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <torch/extension.h>  // pybind11, for the direct bindings
 #include <torch/library.h>
 
 #include <algorithm>
@@ -505,6 +506,8 @@ std::string resolve_isa(const std::string& isa) { return isa_name(parse_isa(isa)
 
 }  // namespace
 }  // namespace llmserve_quant
+
+void llmserve_bind_quant_gemm(pybind11::module_& m) { m.def("quant_linear", &llmserve_quant::quant_linear); }
 
 TORCH_LIBRARY(llmserve_quant, m) {
   m.def("quantize_activations(Tensor x) -> (Tensor, Tensor)");
