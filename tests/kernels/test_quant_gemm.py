@@ -341,13 +341,15 @@ def test_auto_mode_picks_by_rows():
     small, large = torch.randn(3, 256), torch.randn(40, 256)
     decode = (
         quant.quant_linear_f32(small, weight)
-        if quant.float_decodes_faster()  # AVX-512: the float kernel streams faster
+        if quant.float_decodes_faster()  # AVX-512: the float kernel streams faster (no lut)
         else quant.quant_linear(small, weight, act_digits=2)
     )
     assert torch.equal(auto(small, weight), decode)
     assert not torch.equal(
         quant.quant_linear_f32(small, weight), quant.quant_linear(small, weight, act_digits=2)
     )
+    code_book = make_weight(4, 40, 256, 64, lut=True)  # NF4-like: int8x2 at decode sizes
+    assert torch.equal(auto(small, code_book), quant.quant_linear(small, code_book, act_digits=2))
     assert torch.equal(auto(large, weight), quant.quant_linear_f32(large, weight, bf16_gemm=True))
     with pytest.raises(AssertionError):
         quant.linear_function("int4")

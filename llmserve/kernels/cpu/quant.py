@@ -129,7 +129,9 @@ def float_decodes_faster() -> bool:
     """Whether "auto" multiplies decode-sized batches with the float kernel: on AVX-512 CPUs,
     where its 16-lane decode streams the weights faster than the integer kernel (measured on
     AMD Zen 5: 3.6 vs 4.2 ms for the default model's Q4_1 layers per token, 0.53 vs 0.74 ms for
-    its Q8_0 LM head); on AVX2 the integer kernel is faster (4.5 vs 5.0, 0.65 vs 1.17 ms)."""
+    its Q8_0 LM head; batch-1 decode 139 vs 122 tok/s); on AVX2 the integer kernel is faster
+    (4.5 vs 5.0, 0.65 vs 1.17 ms). Code-book weights (NF4, FP4) keep the integer kernel: their
+    lut gather costs the float kernel more (124 vs 114 tok/s with int8x2 on NF4)."""
     return {"avx512f", "avx512bw"} <= _cpu_flags()
 
 
@@ -146,7 +148,8 @@ def linear_function(mode: str) -> Callable[..., torch.Tensor]:
         int8x2  two-digit int8 activations at every batch size (about 1e-4 relative error)
         int8    one-digit int8 activations (llama.cpp's scheme)
         auto    below DECODE_ROWS rows, where the weights' bytes decide: the float kernel on
-                AVX-512 CPUs, int8x2 on the others (``float_decodes_faster``); above, the
+                AVX-512 CPUs (but int8x2 for NF4/FP4), int8x2 on the others
+                (``float_decodes_faster``); above, the
                 decode-then-GEMM float path, in bf16 tiles on CPUs with AVX512_BF16 (oneDNN's
                 AMX/BF16 GEMM), where compute decides
     """
@@ -177,7 +180,7 @@ def linear_function(mode: str) -> Callable[..., torch.Tensor]:
     def auto_linear(x, w, bias=None):
         if x.shape[0] >= DECODE_ROWS:
             return float_linear(x, w, bias, bf16_gemm=True)
-        if float_decode:
+        if float_decode and w.lut is None:
             return float_linear(x, w, bias)
         return integer_linear(x, w, bias, 2)
 
