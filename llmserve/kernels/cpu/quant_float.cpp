@@ -187,6 +187,21 @@ void gemv_tile512(const Weight& w, const float* x, int64_t m0, int64_t n, float*
       }
       in_group = 0;
     }
+    // Software prefetch of the rows four tiles ahead, a cache line at a time (4 blocks of
+    // 4-bit, 2 of 8-bit), and of their scales and mins: streaming from DRAM, the hardware
+    // prefetcher alone left one thread at 13-14 GB/s; with this, 17-18 (Zen 5, Q4_1 layers).
+    if ((b & (w.q4 != nullptr ? 3 : 1)) == 0)
+      for (int j = 0; j < NB; ++j) {
+        const int64_t ahead = n + j + 4 * NB;
+        const uint8_t* row = w.q4 != nullptr ? w.q4 + ahead * (w.k / 2) + b * 16
+                                             : reinterpret_cast<const uint8_t*>(w.q8) + ahead * w.k + b * kBlock;
+        _mm_prefetch((const char*)row, _MM_HINT_T0);
+        if ((b & 15) == 0) {  // scales and mins: 16 floats (a line) at a time
+          const int64_t g = ahead * w.groups_per_row + (b * kBlock) / w.group;
+          _mm_prefetch((const char*)(w.scales + g), _MM_HINT_T0);
+          if (w.mins != nullptr) _mm_prefetch((const char*)(w.mins + g), _MM_HINT_T0);
+        }
+      }
     __m512 v0[NB], v1[NB];
     if constexpr (kLate) {
       for (int j = 0; j < NB; ++j) {
