@@ -410,6 +410,20 @@ bool cpu_has_bf16() {
 // rows [n0, n1) decoded to bf16 (round to nearest even): out[(n - n0) * K + k]; row: K floats
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma")))
 void decode_rows_bf16(Path path, const Weight& w, int64_t n0, int64_t n1, uint16_t* out, float* row) {
+  if (path == Path::kAvx512) {  // straight from the codes (4-bit, lut or 8-bit) to bf16
+    const int64_t bpg = w.group >= kBlock ? w.group / kBlock : 0;
+    for (int64_t n = n0; n < n1; ++n) {
+      const float* sc = w.scales + n * w.groups_per_row;
+      const float* mn = w.mins != nullptr ? w.mins + n * w.groups_per_row : nullptr;
+      uint16_t* o = out + (n - n0) * w.k;
+      for (int64_t b = 0; b < w.k / kBlock; ++b) {
+        __m512 v0, v1;
+        decode_halves512(w, n, b, half_scales(sc, mn, b, bpg), &v0, &v1);
+        _mm512_storeu_si512(o + b * kBlock, (__m512i)_mm512_cvtne2ps_pbh(v1, v0));
+      }
+    }
+    return;
+  }
   for (int64_t n = n0; n < n1; ++n) {
     decode_rows(path, w, n, n + 1, row);
     uint16_t* o = out + (n - n0) * w.k;
