@@ -5,9 +5,9 @@ format, one per part: a GGUF file may store q/k in Q4_K and v in Q6_K) and runs 
 dequantize-matmul kernel of its device:
 
     cpu        C++ kernels, chosen per call (--quantized-activations auto, the default):
-               int8x2 below 16 rows (decode: the weights' bytes decide), decode-then-GEMM
-               above (prefill and big batches: compute decides), in bf16 tiles on CPUs with
-               AVX512_BF16 / AMX
+               below 16 rows (decode: the weights' bytes decide) cpu_float on AVX-512 CPUs
+               (int8x2 for NF4/FP4), int8x2 on AVX2; decode-then-GEMM above (prefill and big
+               batches: compute decides), in bf16 tiles on CPUs with AVX512_BF16 / AMX
     cpu_float  kernels/cpu/quant_float.cpp at every size: weights decoded in registers,
                float32 activations, exact up to summation order (AVX-512 / AVX2 / portable)
     cpu_int8x2 kernels/cpu/quant_gemm.cpp: activations as two int8 digits per block of 32
