@@ -60,14 +60,7 @@ def hf_generate(model_path: str, dtype: torch.dtype, prompts: list[list[int]], n
         torch.cuda.synchronize()
         return out[:, width:].tolist(), time.perf_counter() - start
 
-    run(prompts[:1])  # warm-up
-    _, one = run(prompts[:1])
-    tokens, many = run(prompts)
-    speed = {
-        "batch1_tok_s": num_tokens / one,
-        f"batch{len(prompts)}_tok_s": len(prompts) * num_tokens / many,
-    }
-    return tokens, speed
+    return _speeds(run, prompts, num_tokens)
 
 
 def llmserve_generate(model_path: str, dtype: torch.dtype, prompts, num_tokens: int, eager: bool):
@@ -84,7 +77,12 @@ def llmserve_generate(model_path: str, dtype: torch.dtype, prompts, num_tokens: 
         torch.cuda.synchronize()
         return [list(o.outputs[0].token_ids) for o in outs], time.perf_counter() - start
 
-    run(prompts[:1])
+    return _speeds(run, prompts, num_tokens)
+
+
+def _speeds(run, prompts, num_tokens: int) -> tuple[list, dict]:
+    """``run(batch) -> (tokens, seconds)`` warmed up, then timed on one prompt and on all."""
+    run(prompts[:1])  # warm-up
     _, one = run(prompts[:1])
     tokens, many = run(prompts)
     speed = {

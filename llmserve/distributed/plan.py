@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -127,6 +127,31 @@ def model_dims(hf_config: Any) -> ModelDims:
     (heads, kv_heads, head_dim), expert = shapes.pop(), (experts.pop() if experts else None)
     return ModelDims(
         heads, kv_heads, head_dim, dense.pop() if dense else expert, expert, spec.vocab_size
+    )
+
+
+def rank_spec(spec: Any, shard: RankShard) -> Any:
+    """The ``models.decoder.DecoderSpec`` of one rank's model: its query and KV heads (and
+    their ALiBi slopes), MLP or expert columns and vocabulary rows."""
+    from llmserve.models.decoder import AttentionConfig, MLPConfig, MoEConfig
+
+    (q0, q1), (kv0, kv1) = shard.q_heads, shard.kv_heads
+
+    def attention(a: AttentionConfig) -> AttentionConfig:
+        slopes = None if a.alibi_slopes is None else a.alibi_slopes[q0:q1]
+        return replace(a, num_heads=q1 - q0, num_kv_heads=kv1 - kv0, alibi_slopes=slopes)
+
+    def mlp(m: MLPConfig | MoEConfig) -> MLPConfig | MoEConfig:
+        start, end = shard.intermediate
+        if isinstance(m, MoEConfig) and shard.expert_intermediate is not None:
+            start, end = shard.expert_intermediate
+        return replace(m, intermediate_size=end - start)
+
+    return replace(
+        spec,
+        vocab_size=shard.vocab_per_rank,
+        attention=[attention(a) for a in spec.attention],
+        mlp=[mlp(m) for m in spec.mlp],
     )
 
 

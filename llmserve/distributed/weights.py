@@ -38,10 +38,7 @@ def shard_weights(
 ) -> Iterator[tuple[str, Weight]]:
     """The Llama family: slice each full checkpoint tensor (Hugging Face names) to ``shard`` as
     it streams by; the full tensor is dropped before the next one is read."""
-    d = shard.head_dim
-    q = slice(shard.q_heads[0] * d, shard.q_heads[1] * d)
-    kv = slice(shard.kv_heads[0] * d, shard.kv_heads[1] * d)
-    mlp = slice(*shard.intermediate)
+    q, kv, mlp = _slices(shard)
     for name, tensor in weights:
         is_bias = name.endswith(".bias")
         if ".q_proj." in name:
@@ -62,9 +59,8 @@ def shard_weights(
 def cut_for_rank(name: str, part: str, tensor: Weight, shard: RankShard) -> Weight:
     """A decoder.py family's tensor for our parameter ``name`` (``part`` as in its ``#part``:
     "", q, k, v, gate, up, "E" or "E:gate" / "E:up" for expert E), cut to ``shard``."""
+    q, kv, mlp = _slices(shard)
     d = shard.head_dim
-    q = slice(shard.q_heads[0] * d, shard.q_heads[1] * d)
-    kv = slice(shard.kv_heads[0] * d, shard.kv_heads[1] * d)
     is_bias = name.endswith(".bias")
     module = name.rpartition(".")[0]  # layers.3.self_attn.qkv_proj
     if module.endswith(".qkv_proj"):
@@ -82,7 +78,6 @@ def cut_for_rank(name: str, part: str, tensor: Weight, shard: RankShard) -> Weig
         )
     if module.endswith(".o_proj"):
         return _row_parallel_bias(tensor, shard) if is_bias else _cols(tensor, q, name)
-    mlp = slice(*shard.intermediate)
     if module.endswith(".up_proj"):  # an MLP without a gate (GPT-2, BLOOM, ...)
         return _rows(tensor, mlp)
     if module.endswith(".gate_up_proj"):
@@ -100,6 +95,14 @@ def cut_for_rank(name: str, part: str, tensor: Weight, shard: RankShard) -> Weig
     if name in ("embed_tokens.weight", "lm_head.weight", "lm_head.bias"):
         return _vocab_rows(tensor, shard)
     return tensor
+
+
+def _slices(shard: RankShard) -> tuple[slice, slice, slice]:
+    """The rank's rows of q, of k (or v), and its MLP columns."""
+    d = shard.head_dim
+    q = slice(shard.q_heads[0] * d, shard.q_heads[1] * d)
+    kv = slice(shard.kv_heads[0] * d, shard.kv_heads[1] * d)
+    return q, kv, slice(*shard.intermediate)
 
 
 def _shift(s: slice, offset: int) -> slice:

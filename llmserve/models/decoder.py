@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -191,29 +191,6 @@ class DecoderLayer(nn.Module):
         return x + self.mlp_out_norm(self.mlp(self.mlp_norm(x)))
 
 
-def rank_spec(spec: DecoderSpec, shard: Any) -> DecoderSpec:
-    """The spec of one tensor-parallel rank's model (``distributed.plan.RankShard``): its query
-    and KV heads (and their ALiBi slopes), MLP or expert columns and vocabulary rows."""
-    (q0, q1), (kv0, kv1) = shard.q_heads, shard.kv_heads
-
-    def attention(a: AttentionConfig) -> AttentionConfig:
-        slopes = None if a.alibi_slopes is None else a.alibi_slopes[q0:q1]
-        return replace(a, num_heads=q1 - q0, num_kv_heads=kv1 - kv0, alibi_slopes=slopes)
-
-    def mlp(m: MLPConfig | MoEConfig) -> MLPConfig | MoEConfig:
-        start, end = shard.intermediate
-        if isinstance(m, MoEConfig) and shard.expert_intermediate is not None:
-            start, end = shard.expert_intermediate
-        return replace(m, intermediate_size=end - start)
-
-    return replace(
-        spec,
-        vocab_size=shard.vocab_per_rank,
-        attention=[attention(a) for a in spec.attention],
-        mlp=[mlp(m) for m in spec.mlp],
-    )
-
-
 class DecoderLM(nn.Module):
     """Decoder stack plus LM head; ``forward`` returns hidden states, ``compute_logits`` logits.
 
@@ -239,6 +216,8 @@ class DecoderLM(nn.Module):
         spec = self.spec = self.build_spec(config)
         self.tp_shard = getattr(config, "tp_shard", None)  # a tensor-parallel rank's share
         if self.tp_shard is not None:
+            from llmserve.distributed.plan import rank_spec
+
             spec = self.spec = rank_spec(spec, self.tp_shard)
         require(spec.layout in LAYOUTS, f"layout {spec.layout!r}")
         embed_dim = spec.project_dim or spec.hidden_size

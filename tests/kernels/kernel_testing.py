@@ -39,51 +39,38 @@ def make_paged_batch(
     """Random context for each sequence, scattered over shuffled blocks of a larger pool."""
     device = torch.get_default_device()  # built on the CPU (its generator), then moved there
     with torch.device("cpu"):
-        batch = _make_paged_batch(
-            q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed
+        gen = torch.Generator().manual_seed(seed)
+        blocks_per_seq = [-(-s // block_size) for s in seq_lens]
+        num_blocks = sum(blocks_per_seq) + 3  # spare blocks no sequence owns
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        k_cache = torch.full(shape, float("nan"), dtype=dtype)
+        v_cache = torch.full(shape, float("nan"), dtype=dtype)
+        block_tables = torch.zeros(len(seq_lens), max(blocks_per_seq), dtype=torch.int32)
+        perm = torch.randperm(num_blocks, generator=gen).tolist()
+        keys, values = [], []
+        for b, seq_len in enumerate(seq_lens):
+            owned = [perm.pop() for _ in range(blocks_per_seq[b])]
+            block_tables[b, : len(owned)] = torch.tensor(owned, dtype=torch.int32)
+            k = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen).to(dtype)
+            v = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen).to(dtype)
+            for pos in range(seq_len):
+                k_cache[owned[pos // block_size], pos % block_size] = k[pos]
+                v_cache[owned[pos // block_size], pos % block_size] = v[pos]
+            keys.append(k)
+            values.append(v)
+        query_start_loc = torch.tensor(
+            [0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32
         )
+        q = torch.randn(sum(q_lens), num_heads, head_dim, generator=gen).to(dtype)
+        batch = PagedBatch(
+            q, k_cache, v_cache, query_start_loc, torch.tensor(seq_lens, dtype=torch.int32),
+            block_tables, keys, values, max(q_lens),
+        )  # fmt: skip
     move = lambda t: t.to(device)  # noqa: E731
     return PagedBatch(
         move(batch.q), move(batch.k_cache), move(batch.v_cache), move(batch.query_start_loc),
         move(batch.seq_lens), move(batch.block_tables), [move(k) for k in batch.keys],
         [move(v) for v in batch.values], batch.max_query_len,
-    )  # fmt: skip
-
-
-def _make_paged_batch(
-    q_lens: list[int],
-    seq_lens: list[int],
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    block_size: int,
-    dtype: torch.dtype,
-    seed: int,
-) -> PagedBatch:
-    gen = torch.Generator().manual_seed(seed)
-    blocks_per_seq = [-(-s // block_size) for s in seq_lens]
-    num_blocks = sum(blocks_per_seq) + 3  # spare blocks no sequence owns
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.full(shape, float("nan"), dtype=dtype)
-    v_cache = torch.full(shape, float("nan"), dtype=dtype)
-    block_tables = torch.zeros(len(seq_lens), max(blocks_per_seq), dtype=torch.int32)
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    keys, values = [], []
-    for b, seq_len in enumerate(seq_lens):
-        owned = [perm.pop() for _ in range(blocks_per_seq[b])]
-        block_tables[b, : len(owned)] = torch.tensor(owned, dtype=torch.int32)
-        k = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen).to(dtype)
-        v = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen).to(dtype)
-        for pos in range(seq_len):
-            k_cache[owned[pos // block_size], pos % block_size] = k[pos]
-            v_cache[owned[pos // block_size], pos % block_size] = v[pos]
-        keys.append(k)
-        values.append(v)
-    query_start_loc = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    q = torch.randn(sum(q_lens), num_heads, head_dim, generator=gen).to(dtype)
-    return PagedBatch(
-        q, k_cache, v_cache, query_start_loc, torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables, keys, values, max(q_lens),
     )  # fmt: skip
 
 

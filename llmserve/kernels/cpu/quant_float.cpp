@@ -141,18 +141,22 @@ inline void values512(const Weight& w, const uint8_t* p, __m512* lo, __m512* hi)
   }
 }
 
-// AVX-512: the two 16-column halves of block b of row n, decoded, scaled and shifted
+// AVX-512: the raw values (codes, lut entries or int8) of the two 16-column halves of block b
+// of row n, as floats
+__attribute__((target("avx512f,avx512bw,avx512vl,fma")))
+inline void raw_halves512(const Weight& w, int64_t n, int64_t b, __m512* v0, __m512* v1) {
+  if (w.q4 != nullptr) return values512(w, w.q4 + n * (w.k / 2) + b * 16, v0, v1);
+  const int8_t* p = w.q8 + n * w.k + b * kBlock;
+  *v0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+  *v1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + 16))));
+}
+
+// the same halves decoded: scaled and shifted by their groups' scale and min
 __attribute__((target("avx512f,avx512bw,avx512vl,fma")))
 inline void decode_halves512(const Weight& w, int64_t n, int64_t b, const HalfScales& hs, __m512* v0,
                              __m512* v1) {
   __m512 a, c;
-  if (w.q4 != nullptr) {
-    values512(w, w.q4 + n * (w.k / 2) + b * 16, &a, &c);
-  } else {
-    const int8_t* p = w.q8 + n * w.k + b * kBlock;
-    a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
-    c = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + 16))));
-  }
+  raw_halves512(w, n, b, &a, &c);
   *v0 = _mm512_fmadd_ps(a, _mm512_set1_ps(hs.s0), _mm512_set1_ps(hs.m0));
   *v1 = _mm512_fmadd_ps(c, _mm512_set1_ps(hs.s1), _mm512_set1_ps(hs.m1));
 }
@@ -203,18 +207,12 @@ void gemv_tile512(const Weight& w, const float* x, int64_t m0, int64_t n, float*
         }
       }
     __m512 v0[NB], v1[NB];
-    if constexpr (kLate) {
-      for (int j = 0; j < NB; ++j) {
-        if (w.q4 != nullptr) {
-          values512(w, w.q4 + (n + j) * (w.k / 2) + b * 16, &v0[j], &v1[j]);
-        } else {
-          const int8_t* p = w.q8 + (n + j) * w.k + b * kBlock;
-          v0[j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
-          v1[j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + 16))));
-        }
+    for (int j = 0; j < NB; ++j) {
+      if constexpr (kLate) {
+        raw_halves512(w, n + j, b, &v0[j], &v1[j]);
+      } else {
+        decode_halves512(w, n + j, b, hs[j], &v0[j], &v1[j]);
       }
-    } else {
-      for (int j = 0; j < NB; ++j) decode_halves512(w, n + j, b, hs[j], &v0[j], &v1[j]);
     }
     for (int r = 0; r < R; ++r) {
       const float* xr = x + (m0 + r) * w.k + b * kBlock;
