@@ -34,8 +34,8 @@ checkpoint's ``experts.E.*`` layers placed one by one); the router stays float, 
 checkpoint that quantizes only some of a layer's experts is refused.
 
 Own post-training quantizers (``quantizers/``: RTN, GPTQ, AWQ; ``llmserve quantize``) write
-GPTQ / AWQ checkpoints that the ``gptq`` / ``awq`` rows above load: rtn and gptq for every
-family, awq for Llama-shaped layers (Llama, Mistral, Qwen2, Qwen3).
+GPTQ / AWQ checkpoints that the ``gptq`` / ``awq`` rows above load, for every family (awq's
+scaling groups per family: ``quantizers/awq_groups.py``; MoE experts stay float).
 """
 
 

@@ -226,13 +226,6 @@ def test_quantized_expert_placement():
     )
 
 
-def test_awq_names_the_families_it_runs(tmp_path, tokenizer):
-    _save("gpt2", tmp_path / "float", tokenizer)
-    with pytest.raises(ValueError, match="--method awq folds .*use --method gptq or rtn"):
-        quantize(str(tmp_path / "float"), str(tmp_path / "out"), method="awq", group_size=32)
-    assert not (tmp_path / "out").exists()
-
-
 @pytest.mark.parametrize("name", ["gpt2", "falcon-40b-style", "bloom", "gemma3"])
 def test_gptq_by_replay(name, tmp_path):
     """GPTQ of a family without Llama-shaped layers (the model itself run up to each layer):

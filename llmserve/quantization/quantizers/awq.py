@@ -16,6 +16,10 @@ q.k product) the clipping search: per output row and group, the largest |w| kept
 ``max|w| * (1 - i / 20)``, i = 0..9, whichever gives the least output error on 512 tokens.
 Finally each weight is quantized round-to-nearest, asymmetric (AutoAWQ's grid). As in AutoAWQ,
 the next layer's inputs are this layer's float outputs.
+
+``awq_layer`` is the Llama-shaped path (``decoder_stages.py``); the search, fold and clip
+helpers (``best_scale``, ``fold_scale``: linears and Conv1D, RMSNorm, LayerNorm with its bias,
+Gemma's 1 + w; ``clip_weight``) serve ``awq_replay.py``, the path of every other family.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from llmserve.quantization.quantizers.rtn import (
     quantize_rtn,
     quantize_values,
 )
+from llmserve.quantization.quantizers.source_model import is_conv1d, linear_weight
 
 NUM_ALPHAS = 20  # alpha = 0, 1/20, ..., 1
 CLIP_GRID, CLIP_MAX_SHRINK, CLIP_TOKENS = 20, 0.5, 512
@@ -105,38 +110,69 @@ def search_scale(
     num_search: int,
 ) -> torch.Tensor:
     """The per-input-channel scale ``[K]`` whose alpha minimizes ``block``'s output error."""
-    x_mean = x.abs().reshape(-1, x.shape[-1]).mean(0)  # [K]
     x_search = x[:num_search]
-    reference = chunked(block, x_search)
-    originals = [linear.weight.data for linear in linears]
+    return best_scale(mean_abs(x), linears, lambda: chunked(block, x_search), group_size)
+
+
+def mean_abs(x: torch.Tensor) -> torch.Tensor:
+    """``mean|x|`` per input channel ``[K]`` of ``x [..., K]``."""
+    return x.abs().reshape(-1, x.shape[-1]).mean(0)
+
+
+def best_scale(
+    x_mean: torch.Tensor,
+    linears: list[nn.Module],
+    run: Callable[[], torch.Tensor],
+    group_size: int,
+) -> torch.Tensor:
+    """The scale ``[K]`` from ``x_mean`` whose alpha gives ``run()`` (a block's output on the
+    search samples, computed from the linears' current weights) the least error when
+    ``linears`` (``nn.Linear`` or Conv1D) hold ``Q(W * s) / s``; their weights are restored."""
+    reference = run()
+    stored = [linear.weight.data for linear in linears]
+    originals = [linear_weight(linear) for linear in linears]  # [N, K] each
     best_error, best = float("inf"), torch.ones_like(x_mean)
     try:
         for i in range(NUM_ALPHAS + 1):
             scales = x_mean.pow(i / NUM_ALPHAS).clamp(min=1e-4)
             scales = scales / (scales.max() * scales.min()).sqrt()  # [K]
             for linear, weight in zip(linears, originals):
-                linear.weight.data = fake_quantize(weight * scales, group_size) / scales
-            error = float((chunked(block, x_search) - reference).pow(2).mean())
+                set_weight(linear, fake_quantize(weight * scales, group_size) / scales)
+            error = float((run() - reference).pow(2).mean())
             if error < best_error:
                 best_error, best = error, scales
     finally:
-        for linear, weight in zip(linears, originals):
+        for linear, weight in zip(linears, stored):
             linear.weight.data = weight
     return best
 
 
-def fold_scale(prev: nn.Module, linears: list[nn.Linear], scales: torch.Tensor) -> None:
-    """``W <- W * s`` for ``linears``; the output of ``prev`` (an RMSNorm's weight, or a
-    linear's last ``K`` rows) divided by ``s``, so the float model computes the same."""
+def set_weight(linear: nn.Module, weight: torch.Tensor) -> None:
+    """Store ``weight [N, K]`` in an ``nn.Linear`` (as is) or a Conv1D (as ``[K, N]``)."""
+    linear.weight.data = weight.T.contiguous() if is_conv1d(linear) else weight
+
+
+def fold_scale(
+    prev: nn.Module, linears: list[nn.Module], scales: torch.Tensor, norm_offset: float = 0.0
+) -> None:
+    """``W <- W * s`` for ``linears``; the output of ``prev`` divided by ``s``, so the float
+    model computes the same: a linear's last ``K`` output rows and bias (``v_proj``, or the
+    up half of a fused gate/up), or a norm's weight and bias. A norm computing
+    ``x_hat * (norm_offset + w)`` (Gemma: 1 + w) gets ``w' = (offset + w) / s - offset``."""
     with torch.no_grad():
-        if isinstance(prev, nn.Linear):
-            prev.weight[-scales.numel() :] /= scales[:, None]
+        if isinstance(prev, nn.Linear) or is_conv1d(prev):
+            linear_weight(prev)[-scales.numel() :] /= scales[:, None]
             if prev.bias is not None:
                 prev.bias[-scales.numel() :] /= scales
         else:
-            prev.weight /= scales
+            if norm_offset:
+                prev.weight.copy_((prev.weight + norm_offset) / scales - norm_offset)
+            else:
+                prev.weight /= scales
+            if getattr(prev, "bias", None) is not None:
+                prev.bias /= scales
         for linear in linears:
-            linear.weight *= scales[None, :]
+            linear_weight(linear).mul_(scales[None, :])
 
 
 def clip_weight(weight: torch.Tensor, x: torch.Tensor, group_size: int) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 check options, output dir, architecture, every layer's shape, the calibration text
 load the float model (HF directory or GGUF, float32)
-other families than Llama-shaped ones: rtn as below; gptq by replay (replay.py); awq refused
+other families than Llama-shaped ones: rtn as below; gptq by replay (replay.py); awq by
+    calling each transformers decoder layer with its captured arguments (awq_replay.py)
 h = embed(calibration tokens)                                 [S, T, hidden]
 for each decoder layer (progress bar with ETA):
     rtn:  round every linear                                   (no calibration)
@@ -23,6 +24,8 @@ import torch
 from tqdm.auto import tqdm
 
 from llmserve.quantization.quantizers import awq, checkpoint_writer
+from llmserve.quantization.quantizers.awq_groups import check_awq_family
+from llmserve.quantization.quantizers.awq_replay import awq_by_replay
 from llmserve.quantization.quantizers.calibration import calibration_tokens
 from llmserve.quantization.quantizers.config import QuantizeOptions, check_options
 from llmserve.quantization.quantizers.decoder_stages import (
@@ -111,14 +114,10 @@ def quantize(model: str | None = None, output: str | None = None, **options) -> 
 
 
 def check_calibrated_architecture(hf_config, method: str) -> None:
-    """awq runs the decoder layers stage by stage (its scales fold into the norm and linear
-    before each group), which only Llama-shaped ones have."""
+    """awq folds its scales into the module before each group of linears, which
+    ``awq_groups.py`` names per family: refuse a family it has no table for."""
     if method == "awq" and hf_config.model_type not in CALIBRATED_MODEL_TYPES:
-        raise ValueError(
-            f"--method awq folds its scales through Llama-shaped decoder layers "
-            f"({', '.join(CALIBRATED_MODEL_TYPES)}); {hf_config.model_type} is not one of them: "
-            "use --method gptq or rtn (every family)"
-        )
+        check_awq_family(hf_config.model_type)
 
 
 def check_layer_shapes(linears: dict, opts: QuantizeOptions) -> None:
@@ -148,8 +147,11 @@ def check_layer_shapes(linears: dict, opts: QuantizeOptions) -> None:
 
 def quantize_layers(model, tokens: torch.Tensor | None, opts: QuantizeOptions) -> dict:
     """Checkpoint prefix -> ``QuantResult`` for every decoder linear layer, in layer order."""
-    if opts.method == "gptq" and model.config.model_type not in CALIBRATED_MODEL_TYPES:
-        return gptq_by_replay(model, tokens, opts)
+    if model.config.model_type not in CALIBRATED_MODEL_TYPES:
+        if opts.method == "gptq":
+            return gptq_by_replay(model, tokens, opts)
+        if opts.method == "awq":
+            return awq_by_replay(model, tokens, opts)
     layers_prefix, layers = decoder_layers(model)
     results: dict[str, QuantResult] = {}
     h = cos = sin = None

@@ -12,7 +12,8 @@ from torch import nn
 from llmserve.loader import ResolvedModel, iter_weights
 
 # Architectures whose decoder layers ``decoder_stages.py`` runs (Llama's modules, rotate-half
-# RoPE, no q/k norms): gptq and awq calibrate only these; rtn needs no layer code.
+# RoPE, Qwen3's q/k norms): gptq and awq run these stage by stage; other families go through
+# ``replay.py`` (gptq) and ``awq_replay.py`` (awq); rtn needs no layer code.
 CALIBRATED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
