@@ -78,12 +78,16 @@ class Attention(nn.Module):
         if (
             isinstance(plan, TorchAttentionPlan)
             and plan.native_decode
-            and meta.num_decodes == q.shape[0]
             and not self.needs_eager(meta)
-        ):  # decodes only, C++ kernels: the K/V write and the attention in one call
-            return cpu_kernels.decode_attention(
-                q, k, v, *kv_cache, meta.slot_mapping, plan.decode_tables,
-                plan.decode_seq_lens, self.scale,
+        ):  # C++ kernels: the K/V write and the attention in one call
+            if meta.num_decodes == q.shape[0]:  # decodes only (split-K for a small batch)
+                return cpu_kernels.decode_attention(
+                    q, k, v, *kv_cache, meta.slot_mapping, plan.decode_tables,
+                    plan.decode_seq_lens, self.scale,
+                )  # fmt: skip
+            return cpu_kernels.paged_attention(  # prompt chunks (and decodes) of any length
+                q, k, v, *kv_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens,
+                meta.query_start_loc, self.scale,
             )  # fmt: skip
         num_tokens = q.shape[0]
         q = q.view(num_tokens, self.num_heads, self.head_dim)

@@ -70,6 +70,72 @@ def test_paged_decode_matches_fp32_reference(isa, case, dtype):
     torch.testing.assert_close(out.float(), ref, **tolerance(dtype))
 
 
+# (head_dim, block_size, num_heads, num_kv_heads, q_lens, seq_lens): prompt chunks with and
+# without cached context before them, beside decodes; row counts off the 4-row items
+VARLEN_CASES = {
+    "mixed-gqa3": (64, 16, 9, 3, [1, 1, 37, 140, 5], [30, 200, 37, 164, 5]),
+    "hd80-bs32-mha": (80, 32, 4, 4, [1, 70, 3], [9, 130, 3]),
+    "hd72-bs64-mqa-long": (72, 64, 8, 1, [300], [1000]),
+    "hd128-gqa8": (128, 16, 16, 2, [17, 1, 2], [33, 64, 2]),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", VARLEN_CASES.values(), ids=VARLEN_CASES.keys())
+def test_paged_attention_varlen_matches_fp32_reference(isa, case, dtype):
+    """Any step in one call: the new K/V are written at their slots (NaN there before), then
+    every query row attends causally over its sequence's context."""
+    head_dim, block_size, num_heads, num_kv_heads, q_lens, seq_lens = case
+    batch = make_paged_batch(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype)
+    slots = [
+        int(batch.block_tables[b, p // block_size]) * block_size + p % block_size
+        for b, (q_len, ctx) in enumerate(zip(q_lens, seq_lens))
+        for p in range(ctx - q_len, ctx)
+    ]
+    new_k = torch.cat([k[ctx - q_len :] for k, q_len, ctx in zip(batch.keys, q_lens, seq_lens)])
+    new_v = torch.cat([v[ctx - q_len :] for v, q_len, ctx in zip(batch.values, q_lens, seq_lens)])
+    k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
+    slot_mapping = torch.tensor(slots)
+    for cache in (k_cache, v_cache):
+        cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = float("nan")
+    scale = head_dim**-0.5
+    tokens = batch.q.shape[0]
+    out = cpu_kernels.paged_attention(
+        batch.q.reshape(tokens, -1), new_k.reshape(tokens, -1), new_v.reshape(tokens, -1),
+        k_cache, v_cache, slot_mapping, batch.block_tables, batch.seq_lens,
+        batch.query_start_loc, scale,
+    )  # fmt: skip
+    torch.testing.assert_close(k_cache, batch.k_cache, equal_nan=True, rtol=0, atol=0)
+    torch.testing.assert_close(v_cache, batch.v_cache, equal_nan=True, rtol=0, atol=0)
+    ref = ref_paged_attention(
+        batch.q.float(),
+        batch.k_cache.float(),
+        batch.v_cache.float(),
+        batch.query_start_loc,
+        batch.seq_lens,
+        batch.block_tables,
+        scale,
+    )
+    assert out.dtype == dtype and out.shape == (tokens, num_heads * head_dim)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.float().view_as(ref), ref, **tolerance(dtype))
+
+
+def test_paged_attention_rejects_bad_query_starts():
+    batch = make_paged_batch([3, 1], [5, 9], 4, 2, 64, 8)
+    q = batch.q.reshape(4, -1)
+    k = torch.zeros(4, 2 * 64)
+    slots = torch.arange(4)
+    args = (q, k, k, batch.k_cache, batch.v_cache, slots, batch.block_tables, batch.seq_lens)
+    with pytest.raises(RuntimeError, match="query_start must run 0..4"):
+        cpu_kernels.paged_attention(*args, torch.tensor([0, 3, 5], dtype=torch.int32), 0.1)
+    with pytest.raises(RuntimeError, match="sequence 0 has 3 query rows for a context of 2"):
+        short = torch.tensor([2, 9], dtype=torch.int32)
+        cpu_kernels.paged_attention(*args[:-1], short, batch.query_start_loc, 0.1)
+    with pytest.raises(RuntimeError, match=r"int32 \[num_seqs \+ 1\]"):
+        cpu_kernels.paged_attention(*args, batch.query_start_loc.long(), 0.1)
+
+
 def test_paged_decode_rejects_mixed_dtypes():
     batch = make_paged_batch([1], [5], 4, 2, 64, 8, torch.bfloat16)
     with pytest.raises(RuntimeError, match="all float32 or all bfloat16"):

@@ -125,6 +125,28 @@ def decode_attention(
     )
 
 
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Any step (prompt chunks and decodes) in one call: ``k, v [T, kvh * D]`` written at
+    ``slot_mapping``, then sequence s's query rows ``q[query_start_loc[s]:query_start_loc[s +
+    1]]`` (of ``q [T, H * D]``) attend causally over its ``seq_lens[s]`` tokens of context ->
+    ``[T, H * D]``. ``block_tables [S, >= ceil(len / block_size)]``, ``seq_lens [S]`` and
+    ``query_start_loc [S + 1]`` are int32."""
+    return _direct().paged_attention(
+        q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale
+    )
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``x / sqrt(mean(x^2) + eps) * weight`` over the last dimension."""
     return _direct().rms_norm(x, weight.to(x.dtype), eps)

@@ -115,10 +115,10 @@ Batch check_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
               "head_dim or head counts of q and the cache disagree");
   b.sh.group = b.sh.num_heads / b.sh.kv_heads;
   b.sh.row = b.sh.kv_heads * b.sh.head_dim;
-  b.num_seqs = q.size(0);
+  b.num_seqs = seq_lens.numel();
   b.max_blocks = block_tables.size(1);
-  TORCH_CHECK(seq_lens.numel() == b.num_seqs && block_tables.size(0) == b.num_seqs,
-              "q, block_tables and seq_lens disagree on the number of sequences");
+  TORCH_CHECK(block_tables.size(0) == b.num_seqs,
+              "block_tables and seq_lens disagree on the number of sequences");
   b.is_bf16 = dtype == at::kBFloat16;
   b.q = q.data_ptr();
   b.k_cache = k_cache.data_ptr();
@@ -149,6 +149,7 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables,
                             const at::Tensor& seq_lens, double scale, at::Tensor& out) {
   const Batch b = check_inputs(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
+  TORCH_CHECK(q.size(0) == b.num_seqs, "paged_decode_attention: one query row per sequence");
   if (b.num_seqs == 0) return;
   const int64_t chunks = num_chunks(b);
   LLMSERVE_DISPATCH(run(b, chunks));
@@ -172,6 +173,37 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   return out.view({tokens, q.size(1)});
 }
 
+// Any step (prompt chunks and decodes, in the batch layout of attention_metadata.py): this
+// step's k/v rows written at their pool slots, then the query rows [T, H * D] of sequence s,
+// q[query_start[s] : query_start[s + 1]], attending causally over its context of seq_lens[s]
+// tokens (the chunk's own K/V are its last rows) -> [T, H * D].
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           at::Tensor& k_cache, at::Tensor& v_cache,
+                           const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                           const at::Tensor& seq_lens, const at::Tensor& query_start,
+                           double scale) {
+  TORCH_CHECK(k_cache.dim() == 4, "paged_attention: k_cache must be [blocks, block_size, kvh, D]");
+  const int64_t tokens = q.size(0), kv_heads = k_cache.size(2), head_dim = k_cache.size(3);
+  TORCH_CHECK(q.dim() == 2 && q.size(1) % head_dim == 0, "paged_attention: q must be [T, H * D]");
+  k_cache.view({-1, kv_heads, head_dim}).index_copy_(0, slot_mapping, k.view({tokens, kv_heads, head_dim}));
+  v_cache.view({-1, kv_heads, head_dim}).index_copy_(0, slot_mapping, v.view({tokens, kv_heads, head_dim}));
+  const at::Tensor q3 = q.reshape({tokens, q.size(1) / head_dim, head_dim}).contiguous();
+  at::Tensor out = at::empty_like(q3);
+  const Batch b = check_inputs(q3, k_cache, v_cache, block_tables, seq_lens, scale, out);
+  TORCH_CHECK(query_start.scalar_type() == at::kInt && query_start.is_contiguous() &&
+                  query_start.numel() == b.num_seqs + 1,
+              "paged_attention: query_start must be int32 [num_seqs + 1]");
+  const int32_t* qs = query_start.data_ptr<int32_t>();
+  TORCH_CHECK(qs[0] == 0 && qs[b.num_seqs] == tokens, "paged_attention: query_start must run 0..",
+              tokens);
+  for (int64_t s = 0; s < b.num_seqs; ++s) {
+    TORCH_CHECK(qs[s] <= qs[s + 1] && qs[s + 1] - qs[s] <= b.lens[s], "paged_attention: sequence ",
+                s, " has ", qs[s + 1] - qs[s], " query rows for a context of ", b.lens[s]);
+  }
+  LLMSERVE_DISPATCH(run_varlen(b, qs));
+  return out.view({tokens, q.size(1)});
+}
+
 // "auto", "avx512", "avx2" or "scalar": the path every kernel of this library takes from now
 // on (tests force each one); returns the one chosen. "" only reports the current one.
 std::string set_isa(const std::string& name) {
@@ -184,6 +216,7 @@ std::string set_isa(const std::string& name) {
 void llmserve_bind_paged_attention(pybind11::module_& m) {
   m.def("paged_decode_attention", &paged_decode_attention);
   m.def("decode_attention", &decode_attention);
+  m.def("paged_attention", &paged_attention);
 }
 
 TORCH_LIBRARY(llmserve_cpu, m) {

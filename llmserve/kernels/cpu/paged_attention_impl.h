@@ -185,16 +185,28 @@ inline void for_head_groups(const Shape& sh, F&& f) {
   }
 }
 
+// scores [h * stride + i] of token b0 + i = -inf where that token is at or past limits[h]
+inline void mask_beyond(const int64_t* limits, int64_t heads, int64_t b0, int64_t n,
+                        float* scores, int64_t stride) {
+  for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t i = std::max<int64_t>(limits[h] - b0, 0); i < n; ++i) {
+      scores[h * stride + i] = -std::numeric_limits<float>::infinity();
+    }
+  }
+}
+
 // Attend query rows q [num_heads, head_dim] (fp32, times the scale) over tokens [t0, t1) of one
 // sequence (t0 on a block boundary), one block at a time with an online softmax: the block's
 // scores, the running maxima m and sums l (acc rescaled when a maximum grows, folded into the
 // V pass), then the block's V rows. K and V of a block are read right after each other (the
 // next block's asked for while this one is computed), and the scores never leave L1. Leaves
-// acc [num_heads, head_dim] unnormalised (chunk order), m and l [num_heads].
+// acc [num_heads, head_dim] unnormalised (chunk order), m and l [num_heads]. ``limits``
+// (causal prompt rows, else null): head h sees tokens [t0, limits[h]) only; the first token
+// must be visible to every head.
 template <typename T>
 void attend_chunk(const Shape& sh, const float* q, const T* k_cache, const T* v_cache,
                   const int32_t* table, int64_t t0, int64_t t1, Scratch& w, float* acc, float* m,
-                  float* l) {
+                  float* l, const int64_t* limits = nullptr) {
   const int64_t H = sh.num_heads, D = sh.head_dim, bs = sh.block_size;
   std::fill(acc, acc + H * D, 0.f);
   std::fill(m, m + H, -std::numeric_limits<float>::infinity());
@@ -212,6 +224,7 @@ void attend_chunk(const Shape& sh, const float* q, const T* k_cache, const T* v_
     for_head_groups(sh, [&](auto nh, int64_t h, int64_t g) {
       dots<decltype(nh)::value>(q + h * D, kb + g * D, sh.row, n, D, w.scores.data() + h * bs, bs);
     });
+    if (limits != nullptr) mask_beyond(limits, H, b0, n, w.scores.data(), bs);
     for (int64_t h = 0; h < H; ++h) {
       const float mx = running_max(w.scores.data() + h * bs, n, m[h]);
       w.correction[h] = m[h] - mx;
@@ -318,6 +331,74 @@ void attend_split(const Batch& b, int64_t chunks) {
       store_scaled(out + pair * D, o.data(), 1.f / total, D);
     }
   });
+}
+
+// Prompt rows and decodes in one pass (query_start: [num_seqs + 1] row offsets of q/out). A
+// work item is up to kRows consecutive query rows of one sequence; its rows' heads that share
+// a KV head are attended together as if they were one sequence's heads (virtual head
+// g * rows * G + r * G + i is head g * G + i of row r), so each K/V chunk is loaded once for
+// all of them, and row r (position p) sees tokens [0, p] only. Items run longest first and
+// are taken by the threads as they come free (their costs differ by the context lengths).
+constexpr int64_t kRows = 4;
+
+template <typename T>
+void attend_varlen(const Batch& b, const int32_t* query_start) {
+  const int64_t H = b.sh.num_heads, D = b.sh.head_dim, G = b.sh.group;
+  struct Item { int64_t seq, row0, rows, cost; };
+  std::vector<Item> items;
+  for (int64_t s = 0; s < b.num_seqs; ++s) {
+    const int64_t q_len = query_start[s + 1] - query_start[s], first = b.lens[s] - q_len;
+    for (int64_t r0 = 0; r0 < q_len; r0 += kRows) {
+      const int64_t rows = std::min(kRows, q_len - r0);
+      items.push_back({s, r0, rows, rows * (first + r0 + rows)});
+    }
+  }
+  std::stable_sort(items.begin(), items.end(),
+                   [](const Item& a, const Item& c) { return a.cost > c.cost; });
+  const T* q = static_cast<const T*>(b.q);
+  T* out = static_cast<T*>(b.out);
+  std::atomic<int64_t> next{0};
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), items.size());
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    Shape vs = b.sh;
+    vs.num_heads = H * kRows, vs.group = G * kRows;
+    Scratch w(vs);
+    std::vector<int64_t> limits(H * kRows);
+    for (int64_t it = next++; it < int64_t(items.size()); it = next++) {
+      const Item& item = items[it];
+      const int64_t row = query_start[item.seq] + item.row0;  // the item's first row of q
+      const int64_t first = b.lens[item.seq] - (query_start[item.seq + 1] - query_start[item.seq]);
+      vs.num_heads = H * item.rows, vs.group = G * item.rows;
+      for (int64_t g = 0; g < b.sh.kv_heads; ++g) {
+        for (int64_t r = 0; r < item.rows; ++r) {
+          for (int64_t i = 0; i < G; ++i) {
+            const int64_t vh = (g * item.rows + r) * G + i;
+            limits[vh] = first + item.row0 + r + 1;
+            for (int64_t d = 0; d < D; ++d) {
+              w.q[vh * D + slot<T>(d, D)] = b.scale * to_f32(q[((row + r) * H + g * G + i) * D + d]);
+            }
+          }
+        }
+      }
+      attend_chunk(vs, w.q.data(), static_cast<const T*>(b.k_cache),
+                   static_cast<const T*>(b.v_cache), b.tables + item.seq * b.max_blocks, 0,
+                   first + item.row0 + item.rows, w, w.acc.data(), w.m.data(), w.l.data(),
+                   item.rows > 1 ? limits.data() : nullptr);
+      for (int64_t g = 0; g < b.sh.kv_heads; ++g) {
+        for (int64_t r = 0; r < item.rows; ++r) {
+          for (int64_t i = 0; i < G; ++i) {
+            const int64_t vh = (g * item.rows + r) * G + i;
+            store_scaled(out + ((row + r) * H + g * G + i) * D, w.acc.data() + vh * D,
+                         1.f / w.l[vh], D);
+          }
+        }
+      }
+    }
+  });
+}
+
+void run_varlen(const Batch& b, const int32_t* query_start) {
+  b.is_bf16 ? attend_varlen<uint16_t>(b, query_start) : attend_varlen<float>(b, query_start);
 }
 
 void run(const Batch& b, int64_t chunks) {
