@@ -159,18 +159,27 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
 // strided) written at their pool slots, then q ([T, H * D]) attending -> [T, H * D]. The
 // same work as index_copy_ twice and paged_decode_attention, without a dozen Python-level
 // view/copy calls per layer around them.
+// this step's k/v rows ([T, kvh * D], rows may be strided) written at their pool slots;
+// returns q [T, H * D] as a contiguous [T, H, D]
+at::Tensor write_kv_and_split_heads(const char* op, const at::Tensor& q, const at::Tensor& k,
+                                    const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+                                    const at::Tensor& slot_mapping) {
+  TORCH_CHECK(k_cache.dim() == 4, op, ": k_cache must be [blocks, block_size, kvh, D]");
+  const int64_t tokens = q.size(0), kv_heads = k_cache.size(2), head_dim = k_cache.size(3);
+  TORCH_CHECK(q.dim() == 2 && q.size(1) % head_dim == 0, op, ": q must be [T, H * D]");
+  k_cache.view({-1, kv_heads, head_dim}).index_copy_(0, slot_mapping, k.view({tokens, kv_heads, head_dim}));
+  v_cache.view({-1, kv_heads, head_dim}).index_copy_(0, slot_mapping, v.view({tokens, kv_heads, head_dim}));
+  return q.reshape({tokens, q.size(1) / head_dim, head_dim}).contiguous();
+}
+
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping,
                             const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
-  TORCH_CHECK(k_cache.dim() == 4, "decode_attention: k_cache must be [blocks, block_size, kvh, D]");
-  const int64_t tokens = q.size(0), kv_heads = k_cache.size(2), head_dim = k_cache.size(3);
-  TORCH_CHECK(q.dim() == 2 && q.size(1) % head_dim == 0, "decode_attention: q must be [T, H * D]");
-  k_cache.view({-1, kv_heads, head_dim}).index_copy_(0, slot_mapping, k.view({tokens, kv_heads, head_dim}));
-  v_cache.view({-1, kv_heads, head_dim}).index_copy_(0, slot_mapping, v.view({tokens, kv_heads, head_dim}));
-  const at::Tensor q3 = q.reshape({tokens, q.size(1) / head_dim, head_dim}).contiguous();
+  const at::Tensor q3 =
+      write_kv_and_split_heads("decode_attention", q, k, v, k_cache, v_cache, slot_mapping);
   at::Tensor out = at::empty_like(q3);
   paged_decode_attention(q3, k_cache, v_cache, block_tables, seq_lens, scale, out);
-  return out.view({tokens, q.size(1)});
+  return out.view({q.size(0), q.size(1)});
 }
 
 // Any step (prompt chunks and decodes, in the batch layout of attention_metadata.py): this
@@ -182,12 +191,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
                            const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                            const at::Tensor& seq_lens, const at::Tensor& query_start,
                            double scale) {
-  TORCH_CHECK(k_cache.dim() == 4, "paged_attention: k_cache must be [blocks, block_size, kvh, D]");
-  const int64_t tokens = q.size(0), kv_heads = k_cache.size(2), head_dim = k_cache.size(3);
-  TORCH_CHECK(q.dim() == 2 && q.size(1) % head_dim == 0, "paged_attention: q must be [T, H * D]");
-  k_cache.view({-1, kv_heads, head_dim}).index_copy_(0, slot_mapping, k.view({tokens, kv_heads, head_dim}));
-  v_cache.view({-1, kv_heads, head_dim}).index_copy_(0, slot_mapping, v.view({tokens, kv_heads, head_dim}));
-  const at::Tensor q3 = q.reshape({tokens, q.size(1) / head_dim, head_dim}).contiguous();
+  const at::Tensor q3 =
+      write_kv_and_split_heads("paged_attention", q, k, v, k_cache, v_cache, slot_mapping);
+  const int64_t tokens = q.size(0);
   at::Tensor out = at::empty_like(q3);
   const Batch b = check_inputs(q3, k_cache, v_cache, block_tables, seq_lens, scale, out);
   TORCH_CHECK(query_start.scalar_type() == at::kInt && query_start.is_contiguous() &&

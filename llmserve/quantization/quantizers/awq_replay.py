@@ -35,16 +35,13 @@ from llmserve.quantization.quantizers.awq import (
 from llmserve.quantization.quantizers.awq_groups import is_clipped, scaling_groups
 from llmserve.quantization.quantizers.config import QuantizeOptions
 from llmserve.quantization.quantizers.decoder_stages import CHUNK
+from llmserve.quantization.quantizers.replay import Stop, run_with_hooks
 from llmserve.quantization.quantizers.rtn import QuantResult, quantize_rtn
 from llmserve.quantization.quantizers.source_model import (
     decoder_layers,
     is_conv1d,
     linear_weight,
 )
-
-
-class _Stop(Exception):
-    """Raised once the last layer's arguments are caught: nothing past them is needed."""
 
 
 @dataclass
@@ -100,7 +97,7 @@ def capture_layer_calls(
             if index == 0:
                 hidden.append(h.detach().clone())  # [c, T, hidden]
             if index == len(layers) - 1:
-                raise _Stop
+                raise Stop
 
         return hook
 
@@ -108,16 +105,7 @@ def capture_layer_calls(
         layer.register_forward_pre_hook(catch(i), with_kwargs=True)
         for i, layer in enumerate(layers)
     ]
-    try:
-        with torch.no_grad():
-            for chunk in chunks:  # [<= CHUNK, T]
-                try:
-                    model(input_ids=chunk, use_cache=False)
-                except _Stop:
-                    pass
-    finally:
-        for handle in handles:
-            handle.remove()
+    run_with_hooks(model, chunks, handles)
     return hidden, calls
 
 

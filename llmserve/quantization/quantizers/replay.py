@@ -29,8 +29,8 @@ from llmserve.quantization.quantizers.source_model import (
 )
 
 
-class _Stop(Exception):
-    """Raised after the layer being calibrated: nothing past it needs computing."""
+class Stop(Exception):
+    """Raised by a hook once nothing past its layer needs computing."""
 
 
 def gptq_by_replay(
@@ -72,18 +72,24 @@ def _layer_hessians(
         return lambda module, args: accumulator.add(args[0].detach())
 
     def stop(module, args, output):
-        raise _Stop
+        raise Stop
 
     handles = [m.register_forward_pre_hook(catch(hessians[n])) for n, m in linears.items()]
     handles.append(layer.register_forward_hook(stop))
+    run_with_hooks(model, tokens.split(CHUNK), handles)
+    return hessians
+
+
+def run_with_hooks(model: nn.Module, chunks, handles: list) -> None:
+    """``model`` over each chunk of token ids ``[<= CHUNK, T]`` (a hook may end a pass early
+    by raising ``Stop``), then the hooks removed."""
     try:
         with torch.no_grad():
-            for chunk in tokens.split(CHUNK):  # [<= CHUNK, T]
+            for chunk in chunks:
                 try:
                     model(input_ids=chunk, use_cache=False)
-                except _Stop:
+                except Stop:
                     pass
     finally:
         for handle in handles:
             handle.remove()
-    return hessians
