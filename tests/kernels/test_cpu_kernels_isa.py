@@ -35,6 +35,14 @@ def isa(request):
         yield chosen
 
 
+def fp32_reference(batch, scale: float) -> torch.Tensor:
+    """The batch attended in fp32 by the plain-torch reference, ``[tokens, heads, dim]``."""
+    caches = (batch.k_cache.float(), batch.v_cache.float())
+    return ref_paged_attention(
+        batch.q.float(), *caches, batch.query_start_loc, batch.seq_lens, batch.block_tables, scale
+    )
+
+
 # (head_dim, block_size, num_heads, num_kv_heads, seq_lens): the per-sequence path (many
 # sequences) and the split-K path (a few long ones); head_dim 80 and 72 leave a tail of lanes
 DECODE_CASES = {
@@ -57,15 +65,7 @@ def test_paged_decode_matches_fp32_reference(isa, case, dtype):
     out = cpu_kernels.paged_decode_attention(
         batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, scale
     )
-    ref = ref_paged_attention(
-        batch.q.float(),
-        batch.k_cache.float(),
-        batch.v_cache.float(),
-        batch.query_start_loc,
-        batch.seq_lens,
-        batch.block_tables,
-        scale,
-    )
+    ref = fp32_reference(batch, scale)
     assert out.dtype == dtype and not out.isnan().any()
     torch.testing.assert_close(out.float(), ref, **tolerance(dtype))
 
@@ -107,15 +107,7 @@ def test_paged_attention_varlen_matches_fp32_reference(isa, case, dtype):
     )  # fmt: skip
     torch.testing.assert_close(k_cache, batch.k_cache, equal_nan=True, rtol=0, atol=0)
     torch.testing.assert_close(v_cache, batch.v_cache, equal_nan=True, rtol=0, atol=0)
-    ref = ref_paged_attention(
-        batch.q.float(),
-        batch.k_cache.float(),
-        batch.v_cache.float(),
-        batch.query_start_loc,
-        batch.seq_lens,
-        batch.block_tables,
-        scale,
-    )
+    ref = fp32_reference(batch, scale)
     assert out.dtype == dtype and out.shape == (tokens, num_heads * head_dim)
     assert not out.isnan().any()
     torch.testing.assert_close(out.float().view_as(ref), ref, **tolerance(dtype))
