@@ -19,8 +19,9 @@ Decode (one query per sequence) is memory-bound: it reads every cached K/V once.
   per query head: the ``G = num_heads // num_kv_heads`` query heads of a group are folded
   into the query-length axis (query head h reads KV head h // G).
 
-Prefill (both backends) attends one prompt chunk at a time, so nothing is padded to the
-longest chunk: a chunk with no cached context before it uses SDPA's causal kernel on this
+Prefill (``torch``; ``cpp`` steps with prompts take the C++ ``paged_attention`` from
+``Attention.forward`` instead, unless they need the eager path) attends one prompt chunk at a
+time, so nothing is padded to the longest chunk: a chunk with no cached context before it uses SDPA's causal kernel on this
 step's own K/V (no gather, no mask, the masked half skipped); a chunk that continues a context
 (chunked prefill, a prefix-cache hit) gathers its blocks and gets a mask of its own.
 """

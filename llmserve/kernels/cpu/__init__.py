@@ -2,7 +2,8 @@
 
     paged_attention.cpp   paged_decode_attention: decode attention reading K/V in place
                           from the paged pool (body: paged_attention_impl.h); decode_attention:
-                          a decode-only step's K/V write and attention in one call
+                          a decode-only step's K/V write and attention in one call;
+                          paged_attention: the same for any step (prompt chunks, causal)
     kernels_bindings.cpp  the hot functions bound directly for Python (``_direct()``: no
                           dispatcher on the per-layer path); all stay registered as torch ops
     fused.cpp             rms_norm, fused_add_rms_norm_, silu_and_mul, rotary_interleaved:

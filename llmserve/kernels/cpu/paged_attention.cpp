@@ -20,6 +20,10 @@
 // Items are spread over torch's intra-op threads with at::parallel_for; at batch sizes that
 // give every thread a few sequences, one item is one sequence with all its heads, so a block
 // of K (all KV heads, contiguous) is streamed from memory once.
+//
+// paged_attention takes any step (prompt chunks and decodes): an item is up to 4 query rows
+// of one sequence, attended as one sequence whose heads are those rows' heads, each row seeing
+// its context up to its own position (attend_varlen in paged_attention_impl.h).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
