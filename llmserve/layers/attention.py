@@ -136,9 +136,14 @@ def write_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Store new keys and values at their slots: ``cache.view(-1, kvh, D)[slot] = k``."""
+    """Store new keys and values at their slots: ``cache.view(-1, kvh, D)[slot] = k`` (a
+    transposed K pool, kv_cache.allocate, is written through its (block, offset) indices)."""
     kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    if k_cache.is_contiguous():
+        k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    else:
+        block_size = k_cache.shape[1]
+        k_cache[slot_mapping // block_size, slot_mapping % block_size] = k
     v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 
 

@@ -65,15 +65,24 @@ def describe(spec: KVCacheSpec, num_blocks: int, max_model_len: int) -> str:
 
 
 def allocate(
-    spec: KVCacheSpec, num_blocks: int, device: torch.device
+    spec: KVCacheSpec, num_blocks: int, device: torch.device, keys_transposed: bool = False
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One (K, V) pool pair per layer: ``[num_blocks, block_size, num_kv_heads, head_dim]``."""
+    """One (K, V) pool pair per layer: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+
+    ``keys_transposed`` (the cpp backend): each K block is stored as ``[num_kv_heads,
+    head_dim, block_size]`` and returned as a view with the usual shape, so every reader that
+    indexes it still works, while the C++ kernels read a row of block_size tokens per head
+    dimension as one vector (scores without sums across lanes; paged_attention_impl.h)."""
     shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+
+    def keys() -> torch.Tensor:
+        if not keys_transposed:
+            return torch.zeros(shape, dtype=spec.dtype, device=device)
+        stored = (num_blocks, spec.num_kv_heads, spec.head_dim, spec.block_size)
+        return torch.zeros(stored, dtype=spec.dtype, device=device).permute(0, 3, 1, 2)
+
     return [
-        (
-            torch.zeros(shape, dtype=spec.dtype, device=device),
-            torch.zeros(shape, dtype=spec.dtype, device=device),
-        )
+        (keys(), torch.zeros(shape, dtype=spec.dtype, device=device))
         for _ in range(spec.num_layers)
     ]
 

@@ -109,3 +109,35 @@ def test_rotary_interleaved_matches_torch_path():
     torch.testing.assert_close(out, torch_rope.forward_interleaved(positions, qk))
     with pytest.raises(RuntimeError, match="position 600 outside 0..511"):
         cpu_kernels.rotary_interleaved(qk, torch.full((20,), 600), torch_rope.cis, head_dim)
+
+
+def test_transposed_key_pool_reads_and_writes_like_the_plain_one():
+    """The cpp backend's K pool (each block stored [kv_heads, head_dim, block_size] behind a
+    [blocks, block_size, kv_heads, head_dim] view): the Python writer, copy-on-write and the
+    C++ decode step see the same values as with the plain pool."""
+    from llmserve.layers.attention import write_kv
+    from llmserve.runner.kv_cache import KVCacheSpec, allocate, copy_blocks
+
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=8, dtype=torch.float32, block_size=4)
+    (k_plain, v_plain), = allocate(spec, 6, torch.device("cpu"))
+    (k_t, v_t), = allocate(spec, 6, torch.device("cpu"), keys_transposed=True)
+    assert k_plain.is_contiguous() and not k_t.is_contiguous() and k_t.shape == k_plain.shape
+    assert k_t.permute(0, 2, 3, 1).is_contiguous()  # the stored layout
+    slots = torch.tensor([0, 5, 6, 7, 13])
+    k, v = torch.randn(5, 2, 8), torch.randn(5, 2, 8)
+    write_kv(k, v, k_plain, v_plain, slots)
+    write_kv(k, v, k_t, v_t, slots)
+    assert torch.equal(k_t, k_plain) and torch.equal(k_t[1, 1], k[1])
+    copy_blocks([(k_plain, v_plain), (k_t, v_t)], [(1, 4), (3, 5)])
+    assert torch.equal(k_t, k_plain) and torch.equal(k_t[4, 2], k[2])
+    # the C++ decode step writes this step's K into the transposed pool, then attends
+    q, k_new, v_new = torch.randn(2, 4 * 8), torch.randn(2, 2 * 8), torch.randn(2, 2 * 8)
+    tables = torch.tensor([[0, 1], [4, 5]], dtype=torch.int32)
+    lens = torch.tensor([7, 6], dtype=torch.int32)
+    step = torch.tensor([6, 5 * 4 + 1])  # position 6 of sequence 0, 5 of sequence 1
+    outs = [
+        cpu_kernels.decode_attention(q, k_new, v_new, kc, vc, step, tables, lens, 8**-0.5)
+        for kc, vc in ((k_plain, v_plain), (k_t, v_t))
+    ]
+    assert torch.equal(k_t, k_plain) and torch.equal(k_t[1, 2], k_new[0].view(2, 8))
+    torch.testing.assert_close(outs[1], outs[0])

@@ -35,6 +35,20 @@ def isa(request):
         yield chosen
 
 
+LAYOUTS = ["tokens", "keys-transposed"]
+
+
+def in_layout(k_cache: torch.Tensor, layout: str) -> torch.Tensor:
+    """The K pool as the cpp backend stores it (``kv_cache.allocate(keys_transposed=True)``):
+    the same values, each block kept as [kv_heads, head_dim, block_size] behind the view."""
+    if layout == "tokens":
+        return k_cache
+    transposed = k_cache.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+    assert not transposed.is_contiguous()
+    torch.testing.assert_close(transposed, k_cache, equal_nan=True, rtol=0, atol=0)
+    return transposed
+
+
 def fp32_reference(batch, scale: float) -> torch.Tensor:
     """The batch attended in fp32 by the plain-torch reference, ``[tokens, heads, dim]``."""
     caches = (batch.k_cache.float(), batch.v_cache.float())
@@ -51,20 +65,24 @@ DECODE_CASES = {
     "hd128-bs128-gqa8": (128, 128, 16, 2, [33, 64, 300]),
     "hd72-bs64-mqa-split": (72, 64, 8, 1, [1000]),
     "many-seqs-bs16": (64, 16, 6, 2, [(37 * i) % 300 + 1 for i in range(24)]),
+    # blocks narrower than an AVX-512 vector; 50 query pairs, not a multiple of 4
+    "hd100-bs8-gqa2": (100, 8, 4, 2, [3, 9, 40, 77]),
 }
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", DECODE_CASES.values(), ids=DECODE_CASES.keys())
-def test_paged_decode_matches_fp32_reference(isa, case, dtype):
+def test_paged_decode_matches_fp32_reference(isa, case, dtype, layout):
     head_dim, block_size, num_heads, num_kv_heads, seq_lens = case
     batch = make_paged_batch(
         [1] * len(seq_lens), seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype
     )
     scale = head_dim**-0.5
     out = cpu_kernels.paged_decode_attention(
-        batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, scale
-    )
+        batch.q, in_layout(batch.k_cache, layout), batch.v_cache, batch.block_tables,
+        batch.seq_lens, scale,
+    )  # fmt: skip
     ref = fp32_reference(batch, scale)
     assert out.dtype == dtype and not out.isnan().any()
     torch.testing.assert_close(out.float(), ref, **tolerance(dtype))
@@ -80,9 +98,10 @@ VARLEN_CASES = {
 }
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", VARLEN_CASES.values(), ids=VARLEN_CASES.keys())
-def test_paged_attention_varlen_matches_fp32_reference(isa, case, dtype):
+def test_paged_attention_varlen_matches_fp32_reference(isa, case, dtype, layout):
     """Any step in one call: the new K/V are written at their slots (NaN there before), then
     every query row attends causally over its sequence's context."""
     head_dim, block_size, num_heads, num_kv_heads, q_lens, seq_lens = case
@@ -98,6 +117,7 @@ def test_paged_attention_varlen_matches_fp32_reference(isa, case, dtype):
     slot_mapping = torch.tensor(slots)
     for cache in (k_cache, v_cache):
         cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = float("nan")
+    k_cache = in_layout(k_cache, layout)
     scale = head_dim**-0.5
     tokens = batch.q.shape[0]
     out = cpu_kernels.paged_attention(

@@ -13,7 +13,8 @@ All take float32 or bfloat16 tensors (bf16 is widened to fp32 in registers, accu
 fp32, rounded once when stored) and are threaded with torch's intra-op pool. The library is
 built for the baseline x86-64 target; every body is compiled for AVX-512, AVX2 and plain C++
 (isa.h, vec.h) and the path is chosen at run time: the best this CPU runs, or the one named by
-``LLMSERVE_CPU_ISA`` (``avx512``, ``avx2``, ``scalar``) or ``set_isa`` (tests force each one).
+``LLMSERVE_CPU_ISA`` (``avx512_bf16``, ``avx512``, ``avx2``, ``scalar``) or ``set_isa`` (tests
+force each one); ``avx512_bf16`` is the AVX-512 code plus vdpbf16ps for bf16 attention scores.
 
 The build (``build.py``) takes about half a minute once per machine and is cached by torch
 (under ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``); one build is safe on
@@ -32,7 +33,7 @@ import torch
 from llmserve.kernels.cpu.build import NativeLibrary
 
 _HERE = Path(__file__).parent
-ISAS = ("avx512", "avx2", "scalar")
+ISAS = ("avx512_bf16", "avx512", "avx2", "scalar")
 # no -march: the ISA-specific copies carry target pragmas and are chosen at run time
 LIBRARY = NativeLibrary(
     name="llmserve_cpu_kernels",

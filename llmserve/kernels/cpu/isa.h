@@ -4,6 +4,8 @@
 // isa_avx2 and isa_scalar, under a ``#pragma GCC target`` of that ISA, while the library is
 // built for the baseline x86-64 target; ``current_isa()`` picks one per call: the best this
 // CPU runs, or the one forced by ``set_isa`` (tests, and ``LLMSERVE_CPU_ISA`` at load time).
+// avx512_bf16 runs the isa_avx512 code, plus the few functions that use AVX512_BF16's
+// dot-product instruction (vdpbf16ps) for bf16 data (attention scores over a transposed K).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -12,40 +14,47 @@
 
 namespace llmserve {
 
-enum class Isa { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+enum class Isa { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
 
 inline bool cpu_supports(Isa isa) {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
   __builtin_cpu_init();
   if (isa == Isa::kAvx2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  if (isa == Isa::kAvx512) {
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma");
-  }
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma");
+  if (isa == Isa::kAvx512) return avx512;
+  if (isa == Isa::kAvx512Bf16) return avx512 && __builtin_cpu_supports("avx512bf16");
 #endif
   return isa == Isa::kScalar;
 }
 
 inline Isa best_isa() {
+  if (cpu_supports(Isa::kAvx512Bf16)) return Isa::kAvx512Bf16;
   if (cpu_supports(Isa::kAvx512)) return Isa::kAvx512;
   if (cpu_supports(Isa::kAvx2)) return Isa::kAvx2;
   return Isa::kScalar;
 }
 
 inline const char* isa_name(Isa isa) {
-  return isa == Isa::kAvx512 ? "avx512" : isa == Isa::kAvx2 ? "avx2" : "scalar";
+  switch (isa) {
+    case Isa::kAvx512Bf16: return "avx512_bf16";
+    case Isa::kAvx512: return "avx512";
+    case Isa::kAvx2: return "avx2";
+    default: return "scalar";
+  }
 }
 
-// "auto", "avx512", "avx2" or "scalar" -> the ISA; forcing one this CPU lacks raises
+// "auto", "avx512_bf16", "avx512", "avx2" or "scalar" -> the ISA; forcing one this CPU lacks
+// raises
 inline Isa parse_isa(const std::string& name) {
   if (name == "auto") return best_isa();
-  for (Isa isa : {Isa::kAvx512, Isa::kAvx2, Isa::kScalar}) {
+  for (Isa isa : {Isa::kAvx512Bf16, Isa::kAvx512, Isa::kAvx2, Isa::kScalar}) {
     if (name == isa_name(isa)) {
       TORCH_CHECK(cpu_supports(isa), "this CPU cannot run the ", name, " kernels");
       return isa;
     }
   }
-  TORCH_CHECK(false, "isa must be one of auto, avx512, avx2, scalar; got '", name, "'");
+  TORCH_CHECK(false, "isa must be one of auto, avx512_bf16, avx512, avx2, scalar; got '", name, "'");
 }
 
 Isa current_isa();             // defined in paged_attention.cpp

@@ -66,6 +66,11 @@ namespace {
 
 struct Shape {
   int64_t num_heads, head_dim, block_size, kv_heads, group, row;  // row = kv_heads * head_dim
+  // K pool stored transposed: a block is [kv_heads, head_dim, block_size] (see dots_t)
+  bool k_t = false;
+  // bf16 scores by vdpbf16ps (AVX512_BF16 chosen, K transposed, head_dim even), times scale
+  bool dp_bf16 = false;
+  float scale = 1.f;
 };
 
 // The batch as raw pointers, after its tensors were checked; q, caches and out share a dtype.
@@ -79,13 +84,15 @@ struct Batch {
   float scale;
 };
 
-// A thread's buffers: the scaled fp32 query, a block's scores, accumulators, m, l, corrections.
+// A thread's buffers: the scaled fp32 query (and its bf16 pairs for vdpbf16ps), a block's
+// scores, accumulators, m, l, corrections.
 struct Scratch {
   std::vector<float> q, scores, acc, m, l, correction;
+  std::vector<uint32_t> qw;
   explicit Scratch(const Shape& sh)
       : q(sh.num_heads * sh.head_dim), scores(sh.num_heads * sh.block_size),
         acc(sh.num_heads * sh.head_dim), m(sh.num_heads), l(sh.num_heads),
-        correction(sh.num_heads) {}
+        correction(sh.num_heads), qw(sh.num_heads * sh.head_dim / 2 + 1) {}
 };
 
 }  // namespace
@@ -94,6 +101,15 @@ struct Scratch {
 #include "per_isa.h"
 
 namespace {
+
+// Whether k_cache [blocks, block_size, kv_heads, D] is a view of a contiguous
+// [blocks, kv_heads, D, block_size] pool: the layout kv_cache.allocate gives the cpp backend.
+bool keys_transposed(const at::Tensor& k) {
+  if (k.dim() != 4) return false;
+  const int64_t bs = k.size(1), kvh = k.size(2), D = k.size(3);
+  return k.stride(0) == bs * kvh * D && k.stride(1) == 1 && k.stride(2) == D * bs &&
+         k.stride(3) == bs;
+}
 
 Batch check_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                    const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
@@ -104,11 +120,13 @@ Batch check_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
               "paged_decode_attention (CPU) takes q, caches and out all float32 or all bfloat16");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
               "block_tables and seq_lens must be int32");
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  out.is_contiguous() && block_tables.is_contiguous() && seq_lens.is_contiguous(),
-              "paged_decode_attention (CPU) takes contiguous tensors");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && block_tables.dim() == 2 && out.sizes() == q.sizes(),
               "expected q and out [seqs, heads, dim], cache [blocks, block_size, kv_heads, dim]");
+  TORCH_CHECK(q.is_contiguous() && (k_cache.is_contiguous() || keys_transposed(k_cache)) &&
+                  v_cache.is_contiguous() && out.is_contiguous() && block_tables.is_contiguous() &&
+                  seq_lens.is_contiguous(),
+              "paged_decode_attention (CPU) takes contiguous tensors (k_cache may be the transposed "
+              "view that kv_cache.allocate makes)");
   TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "k_cache and v_cache shapes differ");
   Batch b;
   b.sh.num_heads = q.size(1);
@@ -119,6 +137,10 @@ Batch check_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
               "head_dim or head counts of q and the cache disagree");
   b.sh.group = b.sh.num_heads / b.sh.kv_heads;
   b.sh.row = b.sh.kv_heads * b.sh.head_dim;
+  b.sh.k_t = !k_cache.is_contiguous();
+  b.sh.dp_bf16 = b.sh.k_t && dtype == at::kBFloat16 && b.sh.head_dim % 2 == 0 &&
+                 llmserve::current_isa() == llmserve::Isa::kAvx512Bf16;
+  b.sh.scale = static_cast<float>(scale);
   b.num_seqs = seq_lens.numel();
   b.max_blocks = block_tables.size(1);
   TORCH_CHECK(block_tables.size(0) == b.num_seqs,
@@ -165,13 +187,52 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
 // view/copy calls per layer around them.
 // this step's k/v rows ([T, kvh * D], rows may be strided) written at their pool slots;
 // returns q [T, H * D] as a contiguous [T, H, D]
+// k rows [T, kvh * D] (rows may be strided) into a transposed K pool: element j = h * D + d
+// of token t goes to block[h][d][offset], j * block_size past the token's slot in its block.
+template <typename E>
+void scatter_transposed(const E* k, int64_t k_stride, int64_t tokens, const int64_t* slots,
+                        E* cache, int64_t bs, int64_t row, int64_t capacity) {
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < capacity, "slot_mapping[", t, "] = ", slots[t],
+                " is outside the pool's ", capacity, " slots");
+    E* dst = cache + slots[t] / bs * bs * row + slots[t] % bs;
+    const E* src = k + t * k_stride;
+    for (int64_t j = 0; j < row; ++j) dst[j * bs] = src[j];
+  }
+}
+
+void write_keys_transposed(const char* op, const at::Tensor& k, at::Tensor& k_cache,
+                           const at::Tensor& slot_mapping) {
+  const int64_t bs = k_cache.size(1), row = k_cache.size(2) * k_cache.size(3);
+  TORCH_CHECK(k.dim() == 2 && k.size(1) == row && k.stride(1) == 1 &&
+                  k.scalar_type() == k_cache.scalar_type(),
+              op, ": k must be [T, kvh * D] with contiguous rows, in the cache's dtype");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+                  slot_mapping.numel() == k.size(0),
+              op, ": slot_mapping must be int64 [T]");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t capacity = k_cache.size(0) * bs;
+  if (k_cache.element_size() == 4) {
+    scatter_transposed(static_cast<const uint32_t*>(k.data_ptr()), k.stride(0), k.size(0), slots,
+                       static_cast<uint32_t*>(k_cache.data_ptr()), bs, row, capacity);
+  } else {
+    TORCH_CHECK(k_cache.element_size() == 2, op, ": the K pool must be float32 or bfloat16");
+    scatter_transposed(static_cast<const uint16_t*>(k.data_ptr()), k.stride(0), k.size(0), slots,
+                       static_cast<uint16_t*>(k_cache.data_ptr()), bs, row, capacity);
+  }
+}
+
 at::Tensor write_kv_and_split_heads(const char* op, const at::Tensor& q, const at::Tensor& k,
                                     const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
                                     const at::Tensor& slot_mapping) {
   TORCH_CHECK(k_cache.dim() == 4, op, ": k_cache must be [blocks, block_size, kvh, D]");
   const int64_t tokens = q.size(0), kv_heads = k_cache.size(2), head_dim = k_cache.size(3);
   TORCH_CHECK(q.dim() == 2 && q.size(1) % head_dim == 0, op, ": q must be [T, H * D]");
-  k_cache.view({-1, kv_heads, head_dim}).index_copy_(0, slot_mapping, k.view({tokens, kv_heads, head_dim}));
+  if (keys_transposed(k_cache) && !k_cache.is_contiguous()) {
+    write_keys_transposed(op, k, k_cache, slot_mapping);
+  } else {
+    k_cache.view({-1, kv_heads, head_dim}).index_copy_(0, slot_mapping, k.view({tokens, kv_heads, head_dim}));
+  }
   v_cache.view({-1, kv_heads, head_dim}).index_copy_(0, slot_mapping, v.view({tokens, kv_heads, head_dim}));
   return q.reshape({tokens, q.size(1) / head_dim, head_dim}).contiguous();
 }

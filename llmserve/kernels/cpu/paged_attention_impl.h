@@ -71,6 +71,143 @@ inline void dots(const float* q, const T* k, int64_t stride, int64_t n, int64_t 
   }
 }
 
+// With the transposed K pool (Shape::k_t, the cpp backend's layout: kv_cache.allocate) a
+// block holds, per KV head, head_dim rows of block_size tokens, element (d, t) at
+// kt[d * bs + t]. W tokens of a row are one vector, so W scores come out of D FMAs with a
+// broadcast query element each, and no sum across lanes (the [token][d] layout above needs
+// one per token and head, which costs more than the products).
+//
+// out[h * os + t] = q_h . k_t for t < n and NH heads q_h = q + h * D (fp32, pre-scaled,
+// natural order). Lanes past n (inside the block) are computed and stored, never read.
+template <int NH, typename T>
+inline void dots_t(const float* q, const T* kt, int64_t bs, int64_t n, int64_t D, float* out,
+                   int64_t os) {
+  constexpr int64_t W = Vec::W;
+  constexpr int U = 4;  // partial sums per head: four FMA chains in flight each
+  int64_t t0 = 0;
+  for (; t0 < n && t0 + W <= bs; t0 += W) {
+    Vec a[NH][U];
+    for (int h = 0; h < NH; ++h) {
+      for (int u = 0; u < U; ++u) a[h][u] = Vec::zero();
+    }
+    int64_t d = 0;
+    for (; d + U <= D; d += U) {
+      for (int u = 0; u < U; ++u) {
+        const Vec k = Vec::load(kt + (d + u) * bs + t0);
+        for (int h = 0; h < NH; ++h) a[h][u] = Vec::fma(Vec::set1(q[h * D + d + u]), k, a[h][u]);
+      }
+    }
+    for (; d < D; ++d) {
+      const Vec k = Vec::load(kt + d * bs + t0);
+      for (int h = 0; h < NH; ++h) a[h][0] = Vec::fma(Vec::set1(q[h * D + d]), k, a[h][0]);
+    }
+    for (int h = 0; h < NH; ++h) {
+      Vec::add(Vec::add(a[h][0], a[h][1]), Vec::add(a[h][2], a[h][3])).store(out + h * os + t0);
+    }
+  }
+  for (; t0 < n; ++t0) {  // a block narrower than a vector
+    for (int h = 0; h < NH; ++h) {
+      float sum = 0.f;
+      for (int64_t d = 0; d < D; ++d) sum += q[h * D + d] * to_f32(kt[d * bs + t0]);
+      out[h * os + t0] = sum;
+    }
+  }
+}
+
+#ifdef LLMSERVE_X86
+// dots_t for bf16 with AVX512_BF16 (Isa::kAvx512Bf16): rows d and d + 1 of 16 tokens, one
+// vpermw apart from (k[d], k[d + 1]) pairs per 32-bit lane, times the query's (q[d], q[d + 1])
+// pair broadcast: vdpbf16ps adds both products to an fp32 lane in one instruction. qw holds
+// each head's query as bf16 pairs, unscaled (q is bf16 already: no rounding), so the scores
+// are multiplied by scale after.
+template <int NH>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c"))) inline void
+dots_t_dpbf16(const uint32_t* qw, const uint16_t* kt, int64_t bs, int64_t n, int64_t D,
+              float scale, float* out, int64_t os) {
+  constexpr int U = 4;
+  const int64_t P = D / 2;  // query pairs per head
+  // word j of the result = 16-bit lanes j (row d) and 16 + j (row d + 1)
+  alignas(64) static const int16_t kInterleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5,
+                                                      21, 6, 22, 7, 23, 8, 24, 9, 25, 10, 26,
+                                                      11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i idx = _mm512_load_si512(kInterleave);
+  const __m512 sc = _mm512_set1_ps(scale);
+  int64_t t0 = 0;
+  for (; t0 < n && t0 + 16 <= bs; t0 += 16) {
+    __m512 a[NH][U];
+    for (int h = 0; h < NH; ++h) {
+      for (int u = 0; u < U; ++u) a[h][u] = _mm512_setzero_ps();
+    }
+    auto step = [&](int64_t p, int u) {
+      const uint16_t* r = kt + 2 * p * bs + t0;
+      const __m512i rows = _mm512_inserti64x4(
+          _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r))),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + bs)), 1);
+      const __m512bh k = (__m512bh)_mm512_permutexvar_epi16(idx, rows);
+      for (int h = 0; h < NH; ++h) {
+        const __m512bh qp = (__m512bh)_mm512_set1_epi32(static_cast<int>(qw[h * P + p]));
+        a[h][u] = _mm512_dpbf16_ps(a[h][u], k, qp);
+      }
+    };
+    int64_t p = 0;
+    for (; p + U <= P; p += U) {
+      for (int u = 0; u < U; ++u) step(p + u, u);
+    }
+    for (; p < P; ++p) step(p, 0);
+    for (int h = 0; h < NH; ++h) {
+      const __m512 s = _mm512_add_ps(_mm512_add_ps(a[h][0], a[h][1]), _mm512_add_ps(a[h][2], a[h][3]));
+      _mm512_storeu_ps(out + h * os + t0, _mm512_mul_ps(s, sc));
+    }
+  }
+  for (; t0 < n; ++t0) {  // a block narrower than 16 tokens
+    for (int h = 0; h < NH; ++h) {
+      float sum = 0.f;
+      for (int64_t p = 0; p < P; ++p) {
+        const uint32_t w = qw[h * P + p];
+        sum += bf16_to_float(uint16_t(w)) * bf16_to_float(kt[2 * p * bs + t0]) +
+               bf16_to_float(uint16_t(w >> 16)) * bf16_to_float(kt[(2 * p + 1) * bs + t0]);
+      }
+      out[h * os + t0] = sum * scale;
+    }
+  }
+}
+#endif
+
+// the scores of a block's n tokens for NH query heads h.. that share KV head g
+template <int NH, typename T>
+inline void block_scores(const Shape& sh, const Scratch& w, int64_t h, int64_t g, const T* kb,
+                         int64_t n, float* out) {
+  const int64_t D = sh.head_dim, bs = sh.block_size;
+  if (!sh.k_t) return dots<NH>(w.q.data() + h * D, kb + g * D, sh.row, n, D, out, bs);
+#ifdef LLMSERVE_X86
+  if constexpr (Vec::W == 16 && std::is_same<T, uint16_t>::value) {
+    if (sh.dp_bf16) {
+      return dots_t_dpbf16<NH>(w.qw.data() + h * (D / 2), kb + g * D * bs, bs, n, D, sh.scale,
+                               out, bs);
+    }
+  }
+#endif
+  dots_t<NH>(w.q.data() + h * D, kb + g * D * bs, bs, n, D, out, bs);
+}
+
+// Query head h's row src (D elements) into the scratch: w.q = scale * q as fp32, in the order
+// the score kernel reads it (chunk order for the [token][d] K layout, natural for the
+// transposed one), and for vdpbf16ps w.qw, q's bf16 pairs.
+template <typename T>
+inline void load_query(const Shape& sh, const T* src, float scale, int64_t h, Scratch& w) {
+  const int64_t D = sh.head_dim;
+  for (int64_t d = 0; d < D; ++d) {
+    w.q[h * D + (sh.k_t ? d : slot<T>(d, D))] = scale * to_f32(src[d]);
+  }
+  if constexpr (std::is_same<T, uint16_t>::value) {
+    if (sh.dp_bf16) {
+      for (int64_t p = 0; p < D / 2; ++p) {
+        w.qw[h * (D / 2) + p] = uint32_t(src[2 * p]) | (uint32_t(src[2 * p + 1]) << 16);
+      }
+    }
+  }
+}
+
 // the largest of m and s[0..n)
 inline float running_max(const float* s, int64_t n, float m) {
   constexpr int64_t W = Vec::W;
@@ -118,7 +255,12 @@ inline void exp_inplace(float* x, int64_t n) {
   constexpr int64_t W = Vec::W;
   int64_t i = 0;
   for (; i + W <= n; i += W) Vec::exp(Vec::load(x + i)).store(x + i);
-  for (; i < n; ++i) x[i] = std::exp(x[i]);
+  if (i < n) {  // the rest through one padded vector (fewer heads than lanes, usually)
+    float tail[W] = {};
+    std::copy(x + i, x + n, tail);
+    Vec::exp(Vec::load(tail)).store(tail);
+    std::copy(tail, tail + (n - i), x + i);
+  }
 }
 
 // For NH heads h (acc_h = acc + h * D, p_h = p + h * ps): elements [0, NC * C) of acc_h =
@@ -204,9 +346,9 @@ inline void mask_beyond(const int64_t* limits, int64_t heads, int64_t b0, int64_
 // (causal prompt rows, else null): head h sees tokens [t0, limits[h]) only; the first token
 // must be visible to every head.
 template <typename T>
-void attend_chunk(const Shape& sh, const float* q, const T* k_cache, const T* v_cache,
-                  const int32_t* table, int64_t t0, int64_t t1, Scratch& w, float* acc, float* m,
-                  float* l, const int64_t* limits = nullptr) {
+void attend_chunk(const Shape& sh, const T* k_cache, const T* v_cache, const int32_t* table,
+                  int64_t t0, int64_t t1, Scratch& w, float* acc, float* m, float* l,
+                  const int64_t* limits = nullptr) {
   const int64_t H = sh.num_heads, D = sh.head_dim, bs = sh.block_size;
   std::fill(acc, acc + H * D, 0.f);
   std::fill(m, m + H, -std::numeric_limits<float>::infinity());
@@ -222,7 +364,7 @@ void attend_chunk(const Shape& sh, const float* q, const T* k_cache, const T* v_
       prefetch(k_cache + next, v_cache + next, bytes);
     }
     for_head_groups(sh, [&](auto nh, int64_t h, int64_t g) {
-      dots<decltype(nh)::value>(q + h * D, kb + g * D, sh.row, n, D, w.scores.data() + h * bs, bs);
+      block_scores<decltype(nh)::value>(sh, w, h, g, kb, n, w.scores.data() + h * bs);
     });
     if (limits != nullptr) mask_beyond(limits, H, b0, n, w.scores.data(), bs);
     for (int64_t h = 0; h < H; ++h) {
@@ -241,26 +383,22 @@ void attend_chunk(const Shape& sh, const float* q, const T* k_cache, const T* v_
   }
 }
 
-// qf = scale * q as fp32, each head's row in chunk order
+// one sequence's query [num_heads, D] into the scratch (load_query)
 template <typename T>
-inline void scaled_query(const T* q, int64_t heads, int64_t D, float scale, float* qf) {
-  for (int64_t h = 0; h < heads; ++h) {
-    for (int64_t d = 0; d < D; ++d) qf[h * D + slot<T>(d, D)] = scale * to_f32(q[h * D + d]);
-  }
+inline void scaled_query(const Shape& sh, const T* q, float scale, Scratch& w) {
+  for (int64_t h = 0; h < sh.num_heads; ++h) load_query(sh, q + h * sh.head_dim, scale, h, w);
 }
 
 // out[d] = acc[slot(d)] * inv, stored as T
 template <typename T>
 inline void store_scaled(T* out, const float* acc, float inv, int64_t D) {
-  if (std::is_same<T, float>::value) {
-    constexpr int64_t W = Vec::W;
-    const Vec iv = Vec::set1(inv);
-    int64_t d = 0;
-    for (; d + W <= D; d += W) Vec::mul(Vec::load(acc + d), iv).store(out + d);
-    for (; d < D; ++d) put_f32(out + d, acc[d] * inv);
-    return;
+  constexpr int64_t W = Vec::W;
+  const Vec iv = Vec::set1(inv);
+  int64_t d = 0;
+  for (; d + C <= D; d += C) {
+    Vec::store2(out + d, Vec::mul(Vec::load(acc + d), iv), Vec::mul(Vec::load(acc + d + W), iv));
   }
-  for (int64_t d = 0; d < D; ++d) put_f32(out + d, acc[slot<T>(d, D)] * inv);
+  for (; d < D; ++d) put_f32(out + d, acc[d] * inv);
 }
 
 // One work item per sequence: out_h = acc_h / l_h directly.
@@ -272,8 +410,8 @@ void attend_per_sequence(const Batch& b) {
   at::parallel_for(0, b.num_seqs, 1, [&](int64_t begin, int64_t end) {
     Scratch w(b.sh);
     for (int64_t s = begin; s < end; ++s) {
-      scaled_query(q + s * H * D, H, D, b.scale, w.q.data());
-      attend_chunk(b.sh, w.q.data(), static_cast<const T*>(b.k_cache),
+      scaled_query(b.sh, q + s * H * D, b.scale, w);
+      attend_chunk(b.sh, static_cast<const T*>(b.k_cache),
                    static_cast<const T*>(b.v_cache), b.tables + s * b.max_blocks, 0, b.lens[s], w,
                    w.acc.data(), w.m.data(), w.l.data());
       for (int64_t h = 0; h < H; ++h) {
@@ -305,8 +443,8 @@ void attend_split(const Batch& b, int64_t chunks) {
         std::fill(l, l + H, 0.f);
         continue;
       }
-      scaled_query(q + s * H * D, H, D, b.scale, w.q.data());
-      attend_chunk(b.sh, w.q.data(), static_cast<const T*>(b.k_cache),
+      scaled_query(b.sh, q + s * H * D, b.scale, w);
+      attend_chunk(b.sh, static_cast<const T*>(b.k_cache),
                    static_cast<const T*>(b.v_cache), b.tables + s * b.max_blocks, t0, t1, w,
                    part_acc.data() + item * H * D, m, l);
     }
@@ -374,13 +512,11 @@ void attend_varlen(const Batch& b, const int32_t* query_start) {
           for (int64_t i = 0; i < G; ++i) {
             const int64_t vh = (g * item.rows + r) * G + i;
             limits[vh] = first + item.row0 + r + 1;
-            for (int64_t d = 0; d < D; ++d) {
-              w.q[vh * D + slot<T>(d, D)] = b.scale * to_f32(q[((row + r) * H + g * G + i) * D + d]);
-            }
+            load_query(vs, q + ((row + r) * H + g * G + i) * D, b.scale, vh, w);
           }
         }
       }
-      attend_chunk(vs, w.q.data(), static_cast<const T*>(b.k_cache),
+      attend_chunk(vs, static_cast<const T*>(b.k_cache),
                    static_cast<const T*>(b.v_cache), b.tables + item.seq * b.max_blocks, 0,
                    first + item.row0 + item.rows, w, w.acc.data(), w.m.data(), w.l.data(),
                    item.rows > 1 ? limits.data() : nullptr);

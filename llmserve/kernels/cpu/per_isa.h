@@ -36,6 +36,7 @@ using Vec = Vec512;
 
 #define LLMSERVE_DISPATCH(...)                                   \
   switch (llmserve::current_isa()) {                             \
+    case llmserve::Isa::kAvx512Bf16:                             \
     case llmserve::Isa::kAvx512: isa_avx512::__VA_ARGS__; break; \
     case llmserve::Isa::kAvx2: isa_avx2::__VA_ARGS__; break;     \
     default: isa_scalar::__VA_ARGS__;                            \

@@ -48,6 +48,9 @@ struct VecScalar {
   static void load2(const T* p, VecScalar& a, VecScalar& b) { a = load(p), b = load(p + 1); }
   void store(float* p) const { *p = v; }
   void store(uint16_t* p) const { *p = float_to_bf16(v); }
+  // the inverse of load2
+  template <typename T>
+  static void store2(T* p, VecScalar a, VecScalar b) { a.store(p), b.store(p + 1); }
   static VecScalar fma(VecScalar a, VecScalar b, VecScalar c) { return {a.v * b.v + c.v}; }
   static VecScalar add(VecScalar a, VecScalar b) { return {a.v + b.v}; }
   static VecScalar sub(VecScalar a, VecScalar b) { return {a.v - b.v}; }
@@ -106,14 +109,25 @@ struct Vec256 {
     b.v = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
   }
   LLMSERVE_T256 void store(float* p) const { _mm256_storeu_ps(p, v); }
-  LLMSERVE_T256 void store(uint16_t* p) const {
-    __m256i u = _mm256_castps_si256(v);
+  // each lane rounded to bf16 (nearest even; NaN stays NaN), in the lane's top 16 bits
+  LLMSERVE_T256 static __m256i bf16_bits(__m256 x) {
+    __m256i u = _mm256_castps_si256(x);
     const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    u = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb)), 16);
-    const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
-    u = _mm256_blendv_epi8(u, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(nan));
+    u = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb));
+    const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+    return _mm256_blendv_epi8(u, _mm256_set1_epi32(0x7fc00000), _mm256_castps_si256(nan));
+  }
+  LLMSERVE_T256 void store(uint16_t* p) const {
+    const __m256i u = _mm256_srli_epi32(bf16_bits(v), 16);
     const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(u, u), 0x08);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+  }
+  // the inverse of load2: fp32 a then b; bf16 pairs (a[j], b[j])
+  LLMSERVE_T256 static void store2(float* p, Vec256 a, Vec256 b) { a.store(p), b.store(p + 8); }
+  LLMSERVE_T256 static void store2(uint16_t* p, Vec256 a, Vec256 b) {
+    const __m256i lo = _mm256_srli_epi32(bf16_bits(a.v), 16);
+    const __m256i hi = _mm256_and_si256(bf16_bits(b.v), _mm256_set1_epi32(static_cast<int>(0xffff0000u)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_or_si256(lo, hi));
   }
   LLMSERVE_T256 static Vec256 fma(Vec256 a, Vec256 b, Vec256 c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
   LLMSERVE_T256 static Vec256 add(Vec256 a, Vec256 b) { return {_mm256_add_ps(a.v, b.v)}; }
@@ -163,13 +177,24 @@ struct Vec512 {
     b.v = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
   }
   LLMSERVE_T512 void store(float* p) const { _mm512_storeu_ps(p, v); }
-  LLMSERVE_T512 void store(uint16_t* p) const {
-    __m512i u = _mm512_castps_si512(v);
+  // each lane rounded to bf16 (nearest even; NaN stays NaN), in the lane's top 16 bits
+  LLMSERVE_T512 static __m512i bf16_bits(__m512 x) {
+    const __m512i u = _mm512_castps_si512(x);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    u = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb)), 16);
-    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    u = _mm512_mask_mov_epi32(u, nan, _mm512_set1_epi32(0x7fc0));
+    const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    return _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc00000));
+  }
+  LLMSERVE_T512 void store(uint16_t* p) const {
+    const __m512i u = _mm512_srli_epi32(bf16_bits(v), 16);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(u));
+  }
+  // the inverse of load2: fp32 a then b; bf16 pairs (a[j], b[j])
+  LLMSERVE_T512 static void store2(float* p, Vec512 a, Vec512 b) { a.store(p), b.store(p + 16); }
+  LLMSERVE_T512 static void store2(uint16_t* p, Vec512 a, Vec512 b) {
+    const __m512i lo = _mm512_srli_epi32(bf16_bits(a.v), 16);
+    const __m512i hi = _mm512_and_si512(bf16_bits(b.v), _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
+    _mm512_storeu_si512(p, _mm512_or_si512(lo, hi));
   }
   LLMSERVE_T512 static Vec512 fma(Vec512 a, Vec512 b, Vec512 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
   LLMSERVE_T512 static Vec512 add(Vec512 a, Vec512 b) { return {_mm512_add_ps(a.v, b.v)}; }
