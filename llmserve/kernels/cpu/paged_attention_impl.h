@@ -240,13 +240,15 @@ inline float exp_and_sum(float* s, int64_t n, float mx) {
   return sum;
 }
 
-// ask for the cache lines of [k, k + bytes) and [v, v + bytes) ahead of their use
+// ask for the cache lines of [k, k + bytes) and [v, v + bytes) ahead of their use; Locality
+// is __builtin_prefetch's: 3 = prefetcht0 (into L1), 0 = prefetchnta
+template <int Locality>
 inline void prefetch(const void* k, const void* v, int64_t bytes) {
   const char* kc = static_cast<const char*>(k);
   const char* vc = static_cast<const char*>(v);
   for (int64_t off = 0; off < bytes; off += 64) {
-    __builtin_prefetch(kc + off, 0, 3);
-    __builtin_prefetch(vc + off, 0, 3);
+    __builtin_prefetch(kc + off, 0, Locality);
+    __builtin_prefetch(vc + off, 0, Locality);
   }
 }
 
@@ -358,10 +360,19 @@ void attend_chunk(const Shape& sh, const T* k_cache, const T* v_cache, const int
     const int64_t block = table[b0 / bs];
     const T* kb = k_cache + block * bs * sh.row;  // token i of the block: kb + i * row
     const T* vb = v_cache + block * bs * sh.row;
-    if (b0 + bs < t1) {  // the next block: blocks are scattered, no hardware prefetcher finds it
+    // Blocks are scattered, so no hardware prefetcher finds the next one: it is asked for
+    // into L1 while this one is computed, and the one after it is asked for with prefetchnta
+    // (a decode batch with its pool in DRAM, Zen 5: 14% less time in bf16 than the next
+    // block alone; t0/t1/t2 two ahead, or nta three or more ahead, gained less or lost).
+    if (b0 + bs < t1) {
       const int64_t next = table[b0 / bs + 1] * bs * sh.row;
       const int64_t bytes = std::min(bs, t1 - b0 - bs) * sh.row * int64_t(sizeof(T));
-      prefetch(k_cache + next, v_cache + next, bytes);
+      prefetch<3>(k_cache + next, v_cache + next, bytes);
+    }
+    if (b0 + 2 * bs < t1) {
+      const int64_t after = table[b0 / bs + 2] * bs * sh.row;
+      const int64_t bytes = std::min(bs, t1 - b0 - 2 * bs) * sh.row * int64_t(sizeof(T));
+      prefetch<0>(k_cache + after, v_cache + after, bytes);
     }
     for_head_groups(sh, [&](auto nh, int64_t h, int64_t g) {
       block_scores<decltype(nh)::value>(sh, w, h, g, kb, n, w.scores.data() + h * bs);
