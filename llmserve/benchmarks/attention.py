@@ -119,15 +119,19 @@ def decode_batch(
     dtype: torch.dtype,
     device: torch.device,
     seed: int = 0,
+    keys_transposed: bool = False,
 ) -> tuple[tuple[torch.Tensor, torch.Tensor], AttentionMetadata]:
     """A random K/V pool and the metadata of one decode step: ``batch`` sequences whose new
-    token is position ``context - 1``, their blocks shuffled over the pool."""
+    token is position ``context - 1``, their blocks shuffled over the pool; K stored as the
+    cpp backend stores it with ``keys_transposed`` (``kv_cache.allocate``)."""
     gen = torch.Generator().manual_seed(seed)
     blocks_per_seq = -(-context // block_size)
     num_blocks = batch * blocks_per_seq + 1
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k_cache = torch.randn(shape, generator=gen).to(device, dtype)
     v_cache = torch.randn(shape, generator=gen).to(device, dtype)
+    if keys_transposed:
+        k_cache = k_cache.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
     tables = torch.randperm(num_blocks, generator=gen)[: batch * blocks_per_seq]
     tables = tables.view(batch, blocks_per_seq).to(torch.int32)  # [batch, blocks_per_seq]
     last = context - 1
@@ -167,8 +171,9 @@ def step_breakdown(model, batch: int, context: int, repeats: int, block_size: in
     attn = model.layers[0].self_attn
     dtype = next(model.parameters()).dtype
     kv, meta = decode_batch(
-        batch, context, block_size, attn.num_kv_heads, attn.head_dim, dtype, device
-    )
+        batch, context, block_size, attn.num_kv_heads, attn.head_dim, dtype, device,
+        keys_transposed=attn.attn.backend == "cpp",
+    )  # fmt: skip
     kv_caches = [kv] * len(model.layers)  # one pool shared by every layer (see module doc)
     input_ids = torch.randint(0, model.config.vocab_size, (batch,), device=device)
     positions = torch.full((batch,), context - 1, device=device)

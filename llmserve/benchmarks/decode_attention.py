@@ -13,6 +13,7 @@ machine's streaming read rate: decode attention is memory-bound once the kernel 
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 
@@ -22,8 +23,17 @@ from llmserve.benchmarks.report import format_table
 from llmserve.kernels import cpu as cpu_kernels
 
 
-def make_batch(batch: int, context: int, block_size: int, dtype: torch.dtype, shape, seed: int):
-    """q, caches, shuffled block tables and lengths of a decode batch (every context C)."""
+def make_batch(
+    batch: int,
+    context: int,
+    block_size: int,
+    dtype: torch.dtype,
+    shape,
+    seed: int,
+    keys_transposed: bool = False,
+):
+    """q, caches, shuffled block tables and lengths of a decode batch (every context C);
+    ``keys_transposed``: K stored as the cpp backend stores it (``kv_cache.allocate``)."""
     num_heads, num_kv_heads, head_dim = shape
     gen = torch.Generator().manual_seed(seed)
     blocks = -(-context // block_size)
@@ -31,6 +41,8 @@ def make_batch(batch: int, context: int, block_size: int, dtype: torch.dtype, sh
     cache_shape = (pool, block_size, num_kv_heads, head_dim)
     k_cache = torch.randn(cache_shape, generator=gen).to(dtype)
     v_cache = torch.randn(cache_shape, generator=gen).to(dtype)
+    if keys_transposed:  # each block [kv_heads, head_dim, block_size] behind the same view
+        k_cache = k_cache.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
     tables = torch.randperm(pool, generator=gen)[: batch * blocks].view(batch, blocks).int()
     q = torch.randn(batch, num_heads, head_dim, generator=gen).to(dtype)  # [B, H, D]
     seq_lens = torch.full((batch,), context, dtype=torch.int32)
@@ -43,9 +55,10 @@ def measure(args: argparse.Namespace) -> list[dict]:
     for context in args.contexts:
         for dtype_name in args.dtypes:
             dtype = getattr(torch, dtype_name)
-            for block_size in args.block_sizes:
+            for block_size, layout in itertools.product(args.block_sizes, args.k_layouts):
+                transposed = layout == "transposed"
                 layers = [
-                    make_batch(args.batch, context, block_size, dtype, shape, seed)
+                    make_batch(args.batch, context, block_size, dtype, shape, seed, transposed)
                     for seed in range(args.layers)
                 ]
                 out = torch.empty_like(layers[0][0])
@@ -54,20 +67,21 @@ def measure(args: argparse.Namespace) -> list[dict]:
                     2 * args.layers * args.batch * context * shape[1] * shape[2] * dtype.itemsize
                 )
                 for isa in args.isas:
-                    fns[(context, dtype_name, block_size, isa)] = (layers, out, kv_bytes)
+                    fns[(context, dtype_name, block_size, layout, isa)] = (layers, out, kv_bytes)
     times: dict = {key: [] for key in fns}
     for _ in range(args.rounds):
         for key, (layers, out, _) in fns.items():
-            with cpu_kernels.forced_isa(key[3]):
+            with cpu_kernels.forced_isa(key[-1]):
                 start = time.perf_counter()
                 for q, k, v, tables, lens in layers:
                     cpu_kernels.paged_decode_attention(q, k, v, tables, lens, 0.125, out)
                 times[key].append(time.perf_counter() - start)
     for key, (_, _, nbytes) in fns.items():
         seconds = statistics.median(times[key])
-        context, dtype_name, block_size, isa = key
-        rows.append({"context": context, "dtype": dtype_name, "block_size": block_size, "isa": isa,
-                     "ms_per_layer": seconds * 1e3 / args.layers, "gbs": nbytes / seconds / 1e9})  # fmt: skip
+        context, dtype_name, block_size, layout, isa = key
+        rows.append({"context": context, "dtype": dtype_name, "block_size": block_size,
+                     "k_layout": layout, "isa": isa, "ms_per_layer": seconds * 1e3 / args.layers,
+                     "gbs": nbytes / seconds / 1e9})  # fmt: skip
     return rows
 
 
@@ -77,6 +91,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--contexts", type=int, nargs="+", default=[256, 512])
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     p.add_argument("--block-sizes", type=int, nargs="+", default=[16, 128])
+    p.add_argument(
+        "--k-layouts",
+        nargs="+",
+        default=["transposed", "tokens"],
+        choices=["transposed", "tokens"],
+        help="K blocks as the cpp backend stores them ([kv_heads, head_dim, block_size]) "
+        "and/or token-major ([block_size, kv_heads, head_dim])",
+    )
     p.add_argument("--isas", nargs="+", default=None, help="default: every path this CPU runs")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--layers", type=int, default=8, help="layers of separate K/V caches")
@@ -88,7 +110,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = measure(args)
     threads = torch.get_num_threads()
     print(f"paged decode attention, batch {args.batch}, {args.layers} layers, {threads} threads")
-    cols = ("context", "dtype", "block_size", "isa", "ms_per_layer", "gbs")
+    cols = ("context", "dtype", "block_size", "k_layout", "isa", "ms_per_layer", "gbs")
     print(format_table(cols, [[r[c] for c in cols] for r in rows]))
     return rows
 

@@ -63,7 +63,7 @@ def _direct():
 
 
 def current_isa() -> str:
-    """The path the kernels take now: ``avx512``, ``avx2`` or ``scalar``."""
+    """The path the kernels take now: ``avx512_bf16``, ``avx512``, ``avx2`` or ``scalar``."""
     return _ops().set_isa("")
 
 
@@ -81,8 +81,9 @@ def supported_isas() -> list[str]:
 
 @contextlib.contextmanager
 def forced_isa(isa: str) -> Iterator[str]:
-    """Run the kernels on ``isa`` (``auto``, ``avx512``, ``avx2``, ``scalar``) inside the block;
-    raises RuntimeError when this CPU lacks it. Process-wide: for tests and benchmarks."""
+    """Run the kernels on ``isa`` (``auto``, ``avx512_bf16``, ``avx512``, ``avx2``,
+    ``scalar``) inside the block; raises RuntimeError when this CPU lacks it. Process-wide:
+    for tests and benchmarks."""
     previous = current_isa()
     chosen = _ops().set_isa(isa)
     try:

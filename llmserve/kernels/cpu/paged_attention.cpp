@@ -4,7 +4,9 @@
 // is compiled for AVX-512, AVX2 and plain C++; isa.h picks one at run time.
 //
 //   q        [num_seqs, num_heads, head_dim]
-//   k_cache  [num_blocks, block_size, num_kv_heads, head_dim]   (v_cache alike)
+//   k_cache  [num_blocks, block_size, num_kv_heads, head_dim]   (v_cache alike); or a view of
+//            that shape over blocks stored [num_kv_heads, head_dim, block_size] (the cpp
+//            backend's pool, kv_cache.allocate): scores as vectors of tokens (dots_t)
 //   tables   [num_seqs, max_blocks] int32, seq_lens [num_seqs] int32
 //   out      [num_seqs, num_heads, head_dim]
 //
