@@ -35,6 +35,7 @@ from llmserve.layers.attention import Attention
 from llmserve.layers.attention_metadata import AttentionMetadata
 from llmserve.layers.cpu_linear import PackedLinear
 from llmserve.layers.paged_attention_torch import build_plan, paged_attention_torch
+from llmserve.runner.kv_cache import transposed_keys
 from llmserve.runner.worker import resolve_attention_backend
 
 LINEAR_TYPES = (torch.nn.Linear, PackedLinear)  # PackedLinear: oneDNN-packed fp32 on CPU
@@ -131,7 +132,7 @@ def decode_batch(
     k_cache = torch.randn(shape, generator=gen).to(device, dtype)
     v_cache = torch.randn(shape, generator=gen).to(device, dtype)
     if keys_transposed:
-        k_cache = k_cache.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+        k_cache = transposed_keys(k_cache)
     tables = torch.randperm(num_blocks, generator=gen)[: batch * blocks_per_seq]
     tables = tables.view(batch, blocks_per_seq).to(torch.int32)  # [batch, blocks_per_seq]
     last = context - 1

@@ -21,6 +21,7 @@ import torch
 
 from llmserve.benchmarks.report import format_table
 from llmserve.kernels import cpu as cpu_kernels
+from llmserve.runner.kv_cache import transposed_keys
 
 
 def make_batch(
@@ -41,8 +42,8 @@ def make_batch(
     cache_shape = (pool, block_size, num_kv_heads, head_dim)
     k_cache = torch.randn(cache_shape, generator=gen).to(dtype)
     v_cache = torch.randn(cache_shape, generator=gen).to(dtype)
-    if keys_transposed:  # each block [kv_heads, head_dim, block_size] behind the same view
-        k_cache = k_cache.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+    if keys_transposed:
+        k_cache = transposed_keys(k_cache)
     tables = torch.randperm(pool, generator=gen)[: batch * blocks].view(batch, blocks).int()
     q = torch.randn(batch, num_heads, head_dim, generator=gen).to(dtype)  # [B, H, D]
     seq_lens = torch.full((batch,), context, dtype=torch.int32)

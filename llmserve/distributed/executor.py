@@ -148,12 +148,10 @@ def build_rank_runner(
             "raise --kv-cache-memory or --gpu-memory-utilization"
         )
     local_spec = dataclasses.replace(spec, num_kv_heads=attn.num_kv_heads)
-    caches = kv_cache.allocate(local_spec, num_blocks, device, keys_transposed=backend == "cpp")
+    caches = kv_cache.allocate(local_spec, num_blocks, device, backend)
     proposer = None
     if drafter is not None:
-        draft_caches = kv_cache.allocate(
-            draft_spec, num_blocks, device, keys_transposed=backend == "cpp"
-        )
+        draft_caches = kv_cache.allocate(draft_spec, num_blocks, device, backend)
         proposer = DraftModelProposer(draft_model, draft_caches, spec.block_size, device, backend)
     runner = ModelRunner(
         model, caches, spec.block_size, device, eos_token_id, backend, drafter=proposer

@@ -21,8 +21,8 @@ Decode (one query per sequence) is memory-bound: it reads every cached K/V once.
 
 Prefill (``torch``; ``cpp`` steps with prompts take the C++ ``paged_attention`` from
 ``Attention.forward`` instead, unless they need the eager path) attends one prompt chunk at a
-time, so nothing is padded to the longest chunk: a chunk with no cached context before it uses SDPA's causal kernel on this
-step's own K/V (no gather, no mask, the masked half skipped); a chunk that continues a context
+time, so nothing is padded to the longest chunk: a chunk with no cached context before it
+uses SDPA's causal kernel on this step's own K/V (no gather, no mask, the masked half skipped); a chunk that continues a context
 (chunked prefill, a prefix-cache hit) gathers its blocks and gets a mask of its own.
 """
 

@@ -65,18 +65,18 @@ def describe(spec: KVCacheSpec, num_blocks: int, max_model_len: int) -> str:
 
 
 def allocate(
-    spec: KVCacheSpec, num_blocks: int, device: torch.device, keys_transposed: bool = False
+    spec: KVCacheSpec, num_blocks: int, device: torch.device, backend: str | None = None
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """One (K, V) pool pair per layer: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
 
-    ``keys_transposed`` (the cpp backend): each K block is stored as ``[num_kv_heads,
-    head_dim, block_size]`` and returned as a view with the usual shape, so every reader that
-    indexes it still works, while the C++ kernels read a row of block_size tokens per head
-    dimension as one vector (scores without sums across lanes; paged_attention_impl.h)."""
+    With the ``cpp`` attention backend each K block is stored as ``[num_kv_heads, head_dim,
+    block_size]`` and returned as a view with the usual shape, so every reader that indexes it
+    still works, while the C++ kernels read a row of block_size tokens per head dimension as
+    one vector (scores without sums across lanes; paged_attention_impl.h)."""
     shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
 
     def keys() -> torch.Tensor:
-        if not keys_transposed:
+        if backend != "cpp":
             return torch.zeros(shape, dtype=spec.dtype, device=device)
         stored = (num_blocks, spec.num_kv_heads, spec.head_dim, spec.block_size)
         return torch.zeros(stored, dtype=spec.dtype, device=device).permute(0, 3, 1, 2)
@@ -85,6 +85,12 @@ def allocate(
         (keys(), torch.zeros(shape, dtype=spec.dtype, device=device))
         for _ in range(spec.num_layers)
     ]
+
+
+def transposed_keys(k_cache: torch.Tensor) -> torch.Tensor:
+    """The same K values in the ``cpp`` backend's layout (see ``allocate``): a copy stored
+    ``[num_blocks, num_kv_heads, head_dim, block_size]``, seen with ``k_cache``'s shape."""
+    return k_cache.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
 
 
 def copy_blocks(

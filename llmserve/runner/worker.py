@@ -147,13 +147,11 @@ def create_runner(
             f"the KV cache budget holds no block of {bytes_per_block} bytes; raise --kv-cache-memory "
             "or --gpu-memory-utilization"
         )
-    caches = kv_cache.allocate(spec, num_blocks, device, keys_transposed=backend == "cpp")
+    caches = kv_cache.allocate(spec, num_blocks, device, backend)
     proposer = None
     if drafter is not None:
         draft_caches = (
-            caches
-            if shared
-            else kv_cache.allocate(draft_spec, num_blocks, device, keys_transposed=backend == "cpp")
+            caches if shared else kv_cache.allocate(draft_spec, num_blocks, device, backend)
         )
         proposer = DraftModelProposer(
             draft_model, draft_caches, spec.block_size, device, backend, shares_target_kv=shared

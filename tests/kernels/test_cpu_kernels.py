@@ -120,7 +120,7 @@ def test_transposed_key_pool_reads_and_writes_like_the_plain_one():
 
     spec = KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=8, dtype=torch.float32, block_size=4)
     ((k_plain, v_plain),) = allocate(spec, 6, torch.device("cpu"))
-    ((k_t, v_t),) = allocate(spec, 6, torch.device("cpu"), keys_transposed=True)
+    ((k_t, v_t),) = allocate(spec, 6, torch.device("cpu"), backend="cpp")
     assert k_plain.is_contiguous() and not k_t.is_contiguous() and k_t.shape == k_plain.shape
     assert k_t.permute(0, 2, 3, 1).is_contiguous()  # the stored layout
     slots = torch.tensor([0, 5, 6, 7, 13])

@@ -19,6 +19,7 @@ from torch.nn import functional as F
 from llmserve.kernels import cpu as cpu_kernels
 from llmserve.kernels.reference import ref_paged_attention
 from llmserve.layers.rotary import RotaryEmbedding
+from llmserve.runner.kv_cache import transposed_keys
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
 DTYPES = [torch.float32, torch.bfloat16]
@@ -39,11 +40,11 @@ LAYOUTS = ["tokens", "keys-transposed"]
 
 
 def in_layout(k_cache: torch.Tensor, layout: str) -> torch.Tensor:
-    """The K pool as the cpp backend stores it (``kv_cache.allocate(keys_transposed=True)``):
-    the same values, each block kept as [kv_heads, head_dim, block_size] behind the view."""
+    """The K pool as the cpp backend stores it (``kv_cache.allocate``): the same values, each
+    block kept as [kv_heads, head_dim, block_size] behind the view."""
     if layout == "tokens":
         return k_cache
-    transposed = k_cache.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+    transposed = transposed_keys(k_cache)
     assert not transposed.is_contiguous()
     torch.testing.assert_close(transposed, k_cache, equal_nan=True, rtol=0, atol=0)
     return transposed

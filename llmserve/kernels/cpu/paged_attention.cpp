@@ -70,9 +70,9 @@ struct Shape {
   int64_t num_heads, head_dim, block_size, kv_heads, group, row;  // row = kv_heads * head_dim
   // K pool stored transposed: a block is [kv_heads, head_dim, block_size] (see dots_t)
   bool k_t = false;
-  // bf16 scores by vdpbf16ps (AVX512_BF16 chosen, K transposed, head_dim even), times scale
+  // bf16 scores by vdpbf16ps (AVX512_BF16 chosen, K transposed, head_dim even)
   bool dp_bf16 = false;
-  float scale = 1.f;
+  float scale = 1.f;  // softmax scale of the scores
 };
 
 // The batch as raw pointers, after its tensors were checked; q, caches and out share a dtype.
@@ -83,7 +83,6 @@ struct Batch {
   const void *q, *k_cache, *v_cache;
   const int32_t *tables, *lens;  // tables: [num_seqs, max_blocks], lens: [num_seqs]
   void* out;
-  float scale;
 };
 
 // A thread's buffers: the scaled fp32 query (and its bf16 pairs for vdpbf16ps), a block's
@@ -154,7 +153,6 @@ Batch check_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
   b.tables = block_tables.data_ptr<int32_t>();
   b.lens = seq_lens.data_ptr<int32_t>();
   b.out = out.data_ptr();
-  b.scale = static_cast<float>(scale);
   const int64_t capacity = b.max_blocks * b.sh.block_size;
   for (int64_t s = 0; s < b.num_seqs; ++s) {
     TORCH_CHECK(b.lens[s] > 0 && b.lens[s] <= capacity, "seq_lens[", s, "] = ", b.lens[s],
@@ -183,12 +181,6 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
   LLMSERVE_DISPATCH(run(b, chunks));
 }
 
-// A step of decodes only, in one call: this step's k/v rows ([T, kvh * D], rows may be
-// strided) written at their pool slots, then q ([T, H * D]) attending -> [T, H * D]. The
-// same work as index_copy_ twice and paged_decode_attention, without a dozen Python-level
-// view/copy calls per layer around them.
-// this step's k/v rows ([T, kvh * D], rows may be strided) written at their pool slots;
-// returns q [T, H * D] as a contiguous [T, H, D]
 // k rows [T, kvh * D] (rows may be strided) into a transposed K pool: element j = h * D + d
 // of token t goes to block[h][d][offset], j * block_size past the token's slot in its block.
 template <typename E>
@@ -224,6 +216,8 @@ void write_keys_transposed(const char* op, const at::Tensor& k, at::Tensor& k_ca
   }
 }
 
+// this step's k/v rows ([T, kvh * D], rows may be strided) written at their pool slots;
+// returns q [T, H * D] as a contiguous [T, H, D]
 at::Tensor write_kv_and_split_heads(const char* op, const at::Tensor& q, const at::Tensor& k,
                                     const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
                                     const at::Tensor& slot_mapping) {
@@ -239,6 +233,9 @@ at::Tensor write_kv_and_split_heads(const char* op, const at::Tensor& q, const a
   return q.reshape({tokens, q.size(1) / head_dim, head_dim}).contiguous();
 }
 
+// A step of decodes only, in one call: this step's k/v rows written at their pool slots, then
+// q ([T, H * D]) attending -> [T, H * D]. The same work as index_copy_ twice and
+// paged_decode_attention, without a dozen Python-level view/copy calls per layer around them.
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping,
                             const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {

@@ -194,10 +194,10 @@ inline void block_scores(const Shape& sh, const Scratch& w, int64_t h, int64_t g
 // the score kernel reads it (chunk order for the [token][d] K layout, natural for the
 // transposed one), and for vdpbf16ps w.qw, q's bf16 pairs.
 template <typename T>
-inline void load_query(const Shape& sh, const T* src, float scale, int64_t h, Scratch& w) {
+inline void load_query(const Shape& sh, const T* src, int64_t h, Scratch& w) {
   const int64_t D = sh.head_dim;
   for (int64_t d = 0; d < D; ++d) {
-    w.q[h * D + (sh.k_t ? d : slot<T>(d, D))] = scale * to_f32(src[d]);
+    w.q[h * D + (sh.k_t ? d : slot<T>(d, D))] = sh.scale * to_f32(src[d]);
   }
   if constexpr (std::is_same<T, uint16_t>::value) {
     if (sh.dp_bf16) {
@@ -346,11 +346,11 @@ inline void mask_beyond(const int64_t* limits, int64_t heads, int64_t b0, int64_
   }
 }
 
-// Attend query rows q [num_heads, head_dim] (fp32, times the scale) over tokens [t0, t1) of one
-// sequence (t0 on a block boundary), one block at a time with an online softmax: the block's
-// scores, the running maxima m and sums l (acc rescaled when a maximum grows, folded into the
-// V pass), then the block's V rows. K and V of a block are read right after each other (the
-// next block's asked for while this one is computed), and the scores never leave L1. Leaves
+// Attend the query rows in w (num_heads of them, put there by load_query) over tokens [t0, t1)
+// of one sequence (t0 on a block boundary), one block at a time with an online softmax: the
+// block's scores, the running maxima m and sums l (acc rescaled when a maximum grows, folded
+// into the V pass), then the block's V rows. The next blocks' K and V are asked for while
+// this one is computed, and the scores never leave L1. Leaves
 // acc [num_heads, head_dim] unnormalised (chunk order), m and l [num_heads]. ``limits``
 // (causal prompt rows, else null): head h sees tokens [t0, limits[h]) only; the first token
 // must be visible to every head.
@@ -404,8 +404,8 @@ void attend_chunk(const Shape& sh, const T* k_cache, const T* v_cache, const int
 
 // one sequence's query [num_heads, D] into the scratch (load_query)
 template <typename T>
-inline void scaled_query(const Shape& sh, const T* q, float scale, Scratch& w) {
-  for (int64_t h = 0; h < sh.num_heads; ++h) load_query(sh, q + h * sh.head_dim, scale, h, w);
+inline void scaled_query(const Shape& sh, const T* q, Scratch& w) {
+  for (int64_t h = 0; h < sh.num_heads; ++h) load_query(sh, q + h * sh.head_dim, h, w);
 }
 
 // out[d] = acc[slot(d)] * inv, stored as T
@@ -429,7 +429,7 @@ void attend_per_sequence(const Batch& b) {
   at::parallel_for(0, b.num_seqs, 1, [&](int64_t begin, int64_t end) {
     Scratch w(b.sh);
     for (int64_t s = begin; s < end; ++s) {
-      scaled_query(b.sh, q + s * H * D, b.scale, w);
+      scaled_query(b.sh, q + s * H * D, w);
       attend_chunk(b.sh, static_cast<const T*>(b.k_cache),
                    static_cast<const T*>(b.v_cache), b.tables + s * b.max_blocks, 0, b.lens[s], w,
                    w.acc.data(), w.m.data(), w.l.data());
@@ -462,7 +462,7 @@ void attend_split(const Batch& b, int64_t chunks) {
         std::fill(l, l + H, 0.f);
         continue;
       }
-      scaled_query(b.sh, q + s * H * D, b.scale, w);
+      scaled_query(b.sh, q + s * H * D, w);
       attend_chunk(b.sh, static_cast<const T*>(b.k_cache),
                    static_cast<const T*>(b.v_cache), b.tables + s * b.max_blocks, t0, t1, w,
                    part_acc.data() + item * H * D, m, l);
@@ -531,7 +531,7 @@ void attend_varlen(const Batch& b, const int32_t* query_start) {
           for (int64_t i = 0; i < G; ++i) {
             const int64_t vh = (g * item.rows + r) * G + i;
             limits[vh] = first + item.row0 + r + 1;
-            load_query(vs, q + ((row + r) * H + g * G + i) * D, b.scale, vh, w);
+            load_query(vs, q + ((row + r) * H + g * G + i) * D, vh, w);
           }
         }
       }
