@@ -6,7 +6,8 @@ import itertools
 
 from llmserve.config import SchedulerConfig
 from llmserve.engine.block_manager import BlockManager
-from llmserve.engine.scheduler import Scheduler, SchedulerOutput
+from llmserve.engine.scheduler import Scheduler
+from llmserve.engine.scheduler_output import SchedulerOutput
 from llmserve.engine.sequence import FinishReason, Request, Sequence
 from llmserve.sampling_params import SamplingParams
 

@@ -329,7 +329,7 @@ def test_bad_tool_requests_are_400(server, body, message):
 
 
 def test_auto_mode_parses_tool_call_blocks():
-    from llmserve.entrypoints.openai.protocol import ChatCompletionRequest
+    from llmserve.entrypoints.openai.protocol_chat import ChatCompletionRequest
     from llmserve.entrypoints.openai.tool_calls import parse_auto
 
     text = (

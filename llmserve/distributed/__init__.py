@@ -12,6 +12,8 @@
                        torchrun's) mirror its model calls from a small per-call message
     data_parallel.py   ``llmserve serve --data-parallel-size N``: N engine replicas as Ray
                        actors behind one endpoint, a longest-prefix router, restarts
+    replica.py         one replica's Ray actor and server-side slot, the model-less engine
+                       view the HTTP layer reads, the Ray connection
 
 How to run across machines, and what N devices buy: docs/distributed.md.
 """

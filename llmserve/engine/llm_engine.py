@@ -17,7 +17,8 @@ from llmserve.engine.beam_search import BeamState, Hypothesis, final_ranking
 from llmserve.engine.block_manager import BlockManager
 from llmserve.engine.detokenizer import IncrementalDetokenizer
 from llmserve.engine.output_processor import make_request_output, process_sample
-from llmserve.engine.scheduler import Scheduler, SchedulerOutput
+from llmserve.engine.scheduler import Scheduler
+from llmserve.engine.scheduler_output import SchedulerOutput
 from llmserve.engine.sequence import FinishReason, Request, Sequence
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams

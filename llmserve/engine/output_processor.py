@@ -10,7 +10,7 @@ stop string that is then taken back.
 
 from __future__ import annotations
 
-from llmserve.engine.scheduler import SampledSeq
+from llmserve.engine.scheduler_output import SampledSeq
 from llmserve.engine.sequence import FinishReason, Request, Sequence
 from llmserve.outputs import CompletionOutput, RequestOutput
 

@@ -11,15 +11,15 @@ GGUF (llama.cpp's format) differs from a Hugging Face checkpoint in four ways, u
     experts   one [num_experts, out, in] tensor per projection (qwen3moe, llama with experts)
               -> one tensor per expert
 
-Families not named like Llama (gpt2, starcoder, gptj, bloom, falcon, gptneox, phi2, mpt)
-are described in ``gguf_families.py``; config extras of the Llama-named ones (Gemma 2/3,
+The name mapping is in ``gguf_names.py``. Families not named like Llama (gpt2, starcoder,
+gptj, bloom, falcon, gptneox, phi2, mpt) are described in ``gguf_families.py`` (their
+configs in ``gguf_family_configs.py``); config extras of the Llama-named ones (Gemma 2/3,
 Phi-3, Qwen3-MoE, Mixtral) in ``gguf_arch_configs.py``.
 """
 
 import functools
 import logging
 import os
-import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -47,13 +47,10 @@ from llmserve.loader.gguf_arch_configs import (
 )
 from llmserve.loader.gguf_arch_configs import field as _field
 from llmserve.loader.gguf_arch_configs import required as _required
-from llmserve.loader.gguf_families import (
-    FAMILIES,
-    GGUFMeta,
-    family_quantized,
-    family_tensors,
-)
+from llmserve.loader.gguf_families import FAMILIES, family_quantized, family_tensors
+from llmserve.loader.gguf_family_configs import GGUFMeta
 from llmserve.loader.gguf_file import GGUFFile
+from llmserve.loader.gguf_names import hf_tensor_name
 from llmserve.quantization.gguf import (
     FLOAT_TYPES,
     gguf_to_internal,
@@ -87,56 +84,8 @@ _WITH_HEAD_DIM = (
     MixtralConfig,
 )
 
-_GLOBAL_TENSOR_NAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-_LAYER_TENSOR_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-# Per architecture, where its tensors differ from llama's. "{expert}": one tensor per expert.
-_QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
-_SANDWICH_NORMS = {
-    "post_attention_norm": "post_attention_layernorm",
-    "ffn_norm": "pre_feedforward_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm",
-}
-_MIXTRAL_EXPERTS = {
-    "ffn_gate_inp": "block_sparse_moe.gate",
-    "ffn_gate_exps": "block_sparse_moe.experts.{expert}.w1",
-    "ffn_up_exps": "block_sparse_moe.experts.{expert}.w3",
-    "ffn_down_exps": "block_sparse_moe.experts.{expert}.w2",
-}
-_ARCH_LAYER_TENSOR_NAMES = {
-    "llama": _MIXTRAL_EXPERTS,
-    "mistral": _MIXTRAL_EXPERTS,
-    "qwen3": _QK_NORMS,
-    "gemma2": _SANDWICH_NORMS,
-    "gemma3": {**_QK_NORMS, **_SANDWICH_NORMS},
-    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
-    "qwen3moe": {
-        **_QK_NORMS,
-        "ffn_gate_inp": "mlp.gate",
-        "ffn_gate_exps": "mlp.experts.{expert}.gate_proj",
-        "ffn_up_exps": "mlp.experts.{expert}.up_proj",
-        "ffn_down_exps": "mlp.experts.{expert}.down_proj",
-    },
-}
 # Architectures whose converter stored every norm weight as 1 + w.
 _NORM_PLUS_ONE = {"gemma", "gemma2", "gemma3"}
-# Tensors with no Hugging Face parameter: llama3-style rope frequency factors.
-_SKIPPED_TENSORS = {"rope_freqs.weight"}
-_LAYER_TENSOR_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-
 # Types stored as plain numpy arrays, which gguf.quants.dequantize does not handle.
 _PLAIN_TYPES = {
     gguf.GGMLQuantizationType.F64,
@@ -287,36 +236,6 @@ def load_gguf_config(path: str) -> PretrainedConfig:
     if "rope_freqs.weight" in tensor_names:
         logger.warning("%s: rope_freqs.weight (llama3 rope factors) is ignored", path)
     return config_cls(**kwargs)
-
-
-def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
-    """Map a GGUF tensor name to its Hugging Face name (None: no HF counterpart). Expert
-    tensors map to a name with an ``{expert}`` field, one tensor per expert."""
-    if gguf_name in _SKIPPED_TENSORS:
-        return None
-    if arch in FAMILIES:
-        return _family_tensor_name(gguf_name, arch)
-    base, _, suffix = gguf_name.rpartition(".")
-    if base in _GLOBAL_TENSOR_NAMES and suffix in ("weight", "bias"):
-        return f"{_GLOBAL_TENSOR_NAMES[base]}.{suffix}"
-    names = {**_LAYER_TENSOR_NAMES, **_ARCH_LAYER_TENSOR_NAMES.get(arch, {})}
-    match = _LAYER_TENSOR_RE.fullmatch(gguf_name)
-    if match is None or match.group(2) not in names:
-        raise ValueError(f"GGUF tensor {gguf_name!r} has no known Hugging Face name")
-    layer, part, suffix = match.groups()
-    return f"model.layers.{layer}.{names[part]}.{suffix}"
-
-
-def _family_tensor_name(gguf_name: str, arch: str) -> str:
-    base, _, suffix = gguf_name.rpartition(".")
-    match = _LAYER_TENSOR_RE.fullmatch(gguf_name)
-    if match is None:
-        name = FAMILIES[arch].hf_name(None, base, suffix)
-    else:
-        name = FAMILIES[arch].hf_name(*match.groups())
-    if name is None:
-        raise ValueError(f"GGUF tensor {gguf_name!r} has no known Hugging Face name ({arch})")
-    return name
 
 
 def dequantize_tensor(tensor: gguf.ReaderTensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from llmserve.engine.scheduler import ScheduledSeq, SchedulerOutput
+from llmserve.engine.scheduler_output import ScheduledSeq, SchedulerOutput
 from llmserve.layers.attention_metadata import AttentionMetadata
 from llmserve.runner import kv_cache
 from llmserve.runner.cuda_graph import CUDAGraphRunner

@@ -27,8 +27,6 @@ from llmserve.engine.async_engine import AsyncLLMEngine
 from llmserve.entrypoints.openai.errors import OpenAIError, error_response, install_error_handlers
 from llmserve.entrypoints.openai.metrics import ServerMetrics
 from llmserve.entrypoints.openai.protocol import (
-    ChatCompletionRequest,
-    ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
     DetokenizeRequest,
@@ -41,6 +39,7 @@ from llmserve.entrypoints.openai.protocol import (
     VersionResponse,
     dump,
 )
+from llmserve.entrypoints.openai.protocol_chat import ChatCompletionRequest, ChatCompletionResponse
 from llmserve.entrypoints.openai.serving_base import EventStream, ServingBase
 from llmserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from llmserve.entrypoints.openai.serving_completion import OpenAIServingCompletion

@@ -12,12 +12,8 @@ from functools import lru_cache
 
 from transformers import PreTrainedTokenizerBase
 
-from llmserve.entrypoints.openai.protocol import (
-    ChatLogProbs,
-    CompletionLogProbs,
-    TokenLogprob,
-    TopLogprob,
-)
+from llmserve.entrypoints.openai.protocol import CompletionLogProbs
+from llmserve.entrypoints.openai.protocol_chat import ChatLogProbs, TokenLogprob, TopLogprob
 
 _MIN_LOGPROB = -9999.0
 

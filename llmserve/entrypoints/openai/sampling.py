@@ -5,11 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from llmserve.entrypoints.openai.errors import OpenAIError, error_from_exception
-from llmserve.entrypoints.openai.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    SamplingFields,
-)
+from llmserve.entrypoints.openai.protocol import CompletionRequest, SamplingFields
+from llmserve.entrypoints.openai.protocol_chat import ChatCompletionRequest
 from llmserve.sampling_params import SamplingParams
 
 _OPTIONAL_KNOBS = ("temperature", "top_p", "top_k", "min_p")

@@ -10,20 +10,18 @@ from llmserve.engine.async_engine import RequestStream
 from llmserve.entrypoints.openai import tool_calls
 from llmserve.entrypoints.openai.errors import OpenAIError
 from llmserve.entrypoints.openai.logprobs import chat_logprobs
-from llmserve.entrypoints.openai.protocol import (
+from llmserve.entrypoints.openai.protocol import ChatMessage, ToolCall, UsageInfo
+from llmserve.entrypoints.openai.protocol_chat import (
     ChatChoice,
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogProbs,
-    ChatMessage,
     ChatResponseMessage,
     ChatStreamChoice,
     DeltaFunctionCall,
     DeltaMessage,
     DeltaToolCall,
-    ToolCall,
-    UsageInfo,
 )
 from llmserve.entrypoints.openai.sampling import chat_params
 from llmserve.entrypoints.openai.serving_base import (

@@ -30,12 +30,8 @@ import secrets
 from typing import Any
 
 from llmserve.entrypoints.openai.errors import OpenAIError
-from llmserve.entrypoints.openai.protocol import (
-    ChatCompletionRequest,
-    ChatMessage,
-    FunctionCall,
-    ToolCall,
-)
+from llmserve.entrypoints.openai.protocol import ChatMessage, FunctionCall, ToolCall
+from llmserve.entrypoints.openai.protocol_chat import ChatCompletionRequest
 
 TOOL_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 

@@ -1,0 +1,152 @@
+"""One data-parallel replica and what the front end needs beside it: the Ray actor that runs
+an engine (``ReplicaActor``), its slot in the server (``Replica``), the model-less view of the
+engine the HTTP layer reads (``EngineFrontend``) and the Ray connection (``connect_ray``).
+``data_parallel.py`` routes requests over them."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+from llmserve.config import EngineConfig
+from llmserve.engine.async_engine import EngineSnapshot, RequestStream
+from llmserve.sampling_params import SamplingParams
+
+RAY_CONNECT_TIMEOUT_S = 5.0
+
+
+class RequestAborted(Exception):
+    """Ends a replica's ``generate`` when the server aborted the request."""
+
+
+class ReplicaActor:
+    """One engine replica (wrapped by ``ray.remote``): an ``AsyncLLMEngine`` on its own loop."""
+
+    def __init__(self, engine_kwargs: dict[str, Any], max_num_waiting: int | None) -> None:
+        from llmserve.engine.async_engine import AsyncLLMEngine
+        from llmserve.engine.llm_engine import LLMEngine
+
+        self.engine = AsyncLLMEngine.build(
+            lambda: LLMEngine.from_kwargs(**engine_kwargs), max_num_waiting
+        )
+        self.streams: dict[str, RequestStream] = {}  # so that abort can end a stream
+
+    def _ensure_started(self) -> None:
+        if not self.engine.is_alive:
+            self.engine.start()
+
+    async def describe(self) -> dict[str, Any]:
+        self._ensure_started()
+        engine = self.engine.engine
+        return {
+            "pid": os.getpid(),
+            "model_name": engine.model_name,
+            "max_model_len": engine.max_model_len,
+            "kv_info": engine.kv_info,
+        }
+
+    async def generate(self, request_id: str, prompt, params: SamplingParams, priority: int):
+        """Yields None once admitted (a refusal raises first), then the cumulative outputs."""
+        self._ensure_started()
+        stream = await self.engine.add_request(request_id, prompt, params, priority)
+        self.streams[request_id] = stream
+        yield None
+        try:
+            while not stream.is_finished:
+                yield await stream.get()
+        except RequestAborted:
+            return
+        finally:
+            self.streams.pop(request_id, None)
+            if not stream.is_finished:
+                self.engine.abort(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        """Abort in the engine and end the request's ``generate`` (the caller is gone)."""
+        self.engine.abort(request_id)
+        stream = self.streams.pop(request_id, None)
+        if stream is not None:
+            stream.put(RequestAborted(request_id))
+
+    async def snapshot(self) -> tuple[EngineSnapshot, int]:
+        self._ensure_started()
+        return self.engine.snapshot, self.engine.num_waiting
+
+
+@dataclass
+class EngineFrontend:
+    """What the server reads from an engine, without a model: tokenizer, config, names."""
+
+    config: EngineConfig
+    resolved: Any
+    hf_config: Any
+    tokenizer: Any
+    grammars: Any
+    model_name: str = ""
+    max_model_len: int = 0
+    kv_info: str = ""
+
+    @classmethod
+    def load(cls, config: EngineConfig) -> EngineFrontend:
+        from llmserve.loader import load_config, resolve_model
+        from llmserve.structured_output.grammar import GrammarCompiler
+        from llmserve.tokenizer import get_tokenizer
+
+        resolved = resolve_model(config.model.model)
+        hf_config = load_config(resolved)
+        tokenizer = get_tokenizer(resolved)
+        grammars = GrammarCompiler(tokenizer, hf_config.vocab_size, tokenizer.eos_token_id)
+        return cls(config, resolved, hf_config, tokenizer, grammars)
+
+    def prompt_token_ids(self, prompt) -> tuple[str | None, list[int]]:
+        """The prompt as the engine would tokenize it (``LLMEngine.tokenize``)."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            prompt = prompt["prompt"]
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        return None, list(prompt)
+
+
+@dataclass
+class Replica:
+    """One actor slot: replaced by a fresh actor when the old one dies."""
+
+    index: int
+    actor: Any = None
+    pid: int | None = None
+    is_healthy: bool = False
+    num_restarts: int = 0
+    snapshot: EngineSnapshot = dataclasses.field(default_factory=EngineSnapshot)
+    num_waiting: int = 0
+
+
+def connect_ray(address: str | None) -> Any:
+    """``ray.init`` on a local instance (no address) or a cluster; refuse an unreachable one
+    before Ray spends minutes retrying."""
+    try:
+        import ray
+    except ImportError as e:
+        raise ValueError(
+            "data-parallel serving needs Ray: pip install 'llmserve[ray]' (or pip install ray)"
+        ) from e
+    if address not in (None, "auto", "local"):
+        host_port = address.removeprefix("ray://")
+        host, _, port = host_port.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"--ray-address {address!r}: expected host:port or ray://host:port")
+        try:
+            socket.create_connection((host, int(port)), timeout=RAY_CONNECT_TIMEOUT_S).close()
+        except OSError as e:
+            raise ValueError(
+                f"cannot reach the Ray cluster at {address!r} ({e}); is `ray start --head` "
+                "running there, and is the port open?"
+            ) from e
+    if not ray.is_initialized():
+        ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
+    return ray
