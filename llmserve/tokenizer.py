@@ -1,6 +1,7 @@
 """Load the tokenizer of a resolved model (from a GGUF file's metadata or an HF directory)."""
 
 import logging
+from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
@@ -36,6 +37,20 @@ def get_tokenizer(
     if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def tokenize_prompt(
+    tokenizer: PreTrainedTokenizerBase, prompt: Any
+) -> tuple[str | None, list[int]]:
+    """(text, token ids) of an engine prompt: text, token ids, or ``{"prompt": ...}`` /
+    ``{"prompt_token_ids": ...}``; text is encoded with the tokenizer's special tokens."""
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        prompt = prompt["prompt"]
+    if isinstance(prompt, str):
+        return prompt, tokenizer.encode(prompt, add_special_tokens=True)
+    return None, list(prompt)
 
 
 def _gguf_tokenizer(resolved: ResolvedModel, trust_remote_code: bool) -> PreTrainedTokenizerBase:

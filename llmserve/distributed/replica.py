@@ -104,13 +104,9 @@ class EngineFrontend:
 
     def prompt_token_ids(self, prompt) -> tuple[str | None, list[int]]:
         """The prompt as the engine would tokenize it (``LLMEngine.tokenize``)."""
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            prompt = prompt["prompt"]
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
-        return None, list(prompt)
+        from llmserve.tokenizer import tokenize_prompt
+
+        return tokenize_prompt(self.tokenizer, prompt)
 
 
 @dataclass

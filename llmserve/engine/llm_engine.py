@@ -99,13 +99,9 @@ class LLMEngine:
 
     # ---- requests -----------------------------------------------------------------------
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            prompt = prompt["prompt"]
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
-        return None, list(prompt)
+        from llmserve.tokenizer import tokenize_prompt
+
+        return tokenize_prompt(self.tokenizer, prompt)
 
     def add_request(
         self,
