@@ -1,10 +1,17 @@
-"""Fast fp32 and bf16 linear layers on CPU: oneDNN with weights packed once at load time.
+"""Fast fp32 and bf16 linear layers on CPU: weights packed once at load time.
 
 ``F.linear`` hands each call to a generic GEMM that re-lays out the weight on the fly; a
-weight reordered once into oneDNN's blocked layout skips that and runs 1.3-2x faster here,
-most of all at decode batch sizes and for the 49k-row LM head (see docs/benchmarks.md). bf16
-weights are packed only where oneDNN runs bf16 natively (AVX512_BF16 or AMX; fp32
-accumulation inside), 1.3-2x faster than ``F.linear`` on bf16 there.
+weight packed once skips that. Two kernels:
+
+- fp32, where llmserve's C++ kernels build: ``kernels.cpu.linear_f32`` (gemm.cpp), whose
+  packing lets a decode step stream each weight from memory front to back while the next
+  part is fetched; oneDNN waits on those loads at decode batch sizes (measured on Zen 5, M =
+  64, weights from DRAM: 400-420 GFLOP/s against oneDNN's 310-360, equal at prompt sizes).
+  The LM head (more than ``MAX_OWN_GEMM_FEATURES`` outputs) stays with oneDNN, which is
+  faster on that shape.
+- otherwise oneDNN's blocked layout (1.3-2x ``F.linear``); bf16 weights are packed only where
+  oneDNN runs bf16 natively (AVX512_BF16 or AMX; fp32 accumulation inside).
+
 Applied to a plain model after its weights are loaded, like a quantization pass.
 """
 
@@ -12,6 +19,10 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+
+from llmserve.kernels import cpu as cpu_kernels
+
+MAX_OWN_GEMM_FEATURES = 16384  # wider layers (the LM head) keep oneDNN
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -31,20 +42,32 @@ def has_native_bf16() -> bool:
 
 
 class PackedLinear(nn.Module):
-    """``y = x @ W^T + b`` with ``W`` prepacked for oneDNN (inference only)."""
+    """``y = x @ W^T + b`` with ``W`` prepacked for llmserve's fp32 GEMM or oneDNN
+    (inference only)."""
 
     def __init__(self, linear: nn.Linear, batch_size_hint: int):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, batch_size_hint)
         self.bias = linear.bias
+        self.own_gemm = (
+            weight.dtype == torch.float32
+            and self.out_features <= MAX_OWN_GEMM_FEATURES
+            and cpu_kernels.available()
+        )
+        if self.own_gemm:
+            self.packed_weight = cpu_kernels.linear_f32_pack(weight)
+        else:
+            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, batch_size_hint)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.own_gemm:
+            return cpu_kernels.linear_f32(x, self.packed_weight, self.out_features, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, packed=oneDNN"
+        kernel = "llmserve fp32 GEMM" if self.own_gemm else "oneDNN"
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed={kernel}"
 
 
 def pack_linear_layers(model: nn.Module, batch_size_hint: int = 64) -> int:

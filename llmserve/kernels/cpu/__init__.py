@@ -8,6 +8,8 @@
                           dispatcher on the per-layer path); all stay registered as torch ops
     fused.cpp             rms_norm, fused_add_rms_norm_, silu_and_mul, rotary_interleaved:
                           one pass over memory each (body: fused_impl.h)
+    gemm.cpp              linear_f32_pack, linear_f32: the fp32 linear on a weight packed at
+                          load, streamed front to back (body: gemm_impl.h)
 
 All take float32 or bfloat16 tensors (bf16 is widened to fp32 in registers, accumulated in
 fp32, rounded once when stored) and are threaded with torch's intra-op pool. The library is
@@ -38,9 +40,19 @@ ISAS = ("avx512_bf16", "avx512", "avx2", "scalar")
 LIBRARY = NativeLibrary(
     name="llmserve_cpu_kernels",
     namespace="llmserve_cpu",
-    sources=[_HERE / n for n in ("paged_attention.cpp", "fused.cpp", "kernels_bindings.cpp")],
+    sources=[
+        _HERE / n for n in ("paged_attention.cpp", "fused.cpp", "gemm.cpp", "kernels_bindings.cpp")
+    ],
     headers=[
-        _HERE / n for n in ("vec.h", "isa.h", "per_isa.h", "paged_attention_impl.h", "fused_impl.h")
+        _HERE / n
+        for n in (
+            "vec.h",
+            "isa.h",
+            "per_isa.h",
+            "paged_attention_impl.h",
+            "fused_impl.h",
+            "gemm_impl.h",
+        )
     ],
     cflags=[],
     probe_ops=("silu_and_mul", "set_isa"),
@@ -174,3 +186,15 @@ def rotary_interleaved(
     """``x: [T, heads * D]`` (rows may be strided), pairs ``(x[2i], x[2i+1])`` of each head
     rotated by ``cis[position]`` (``[max_pos, D/2, 2]`` cos/sin) -> a new contiguous tensor."""
     return _direct().rotary_interleaved(x, positions, cis, head_dim)
+
+
+def linear_f32_pack(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [out_features, in_features] (float32) packed for ``linear_f32``."""
+    return _direct().linear_f32_pack(weight.detach().contiguous())
+
+
+def linear_f32(
+    x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` for float32 ``x`` [..., in_features] and a packed weight."""
+    return _direct().linear_f32(x, packed, out_features, bias)

@@ -1,0 +1,149 @@
+// The fp32 linear's body (gemm.cpp), included once per ISA inside a namespace that defines
+// ``Vec`` (vec.h). y[M, N] = x[M, K] w[N, K]^T (+ bias), w packed by gemm.cpp's pack:
+//
+//   [panels of kPanel columns][k][kPanel]
+//
+// so a panel (K x 48 floats) is contiguous, and so is each of its slices of kSlice k's.
+// (No include guard: this file is meant to be included several times.)
+
+// Rows of x per register tile: with AVX-512, 8 rows x 48 columns = 24 accumulators (of 32
+// registers), 3 weight vectors and 1 broadcast; with AVX2, 4 rows x 24 columns (of 16).
+constexpr int kTileRows = Vec::W >= 16 ? 8 : 4;
+constexpr int kTileVecs = 3;  // vectors of columns per tile
+constexpr int64_t kTileCols = kTileVecs * Vec::W;
+static_assert(kPanel % kTileCols == 0, "a panel must split into whole tiles");
+
+// y[r, c] (+)= sum_k x[r, k] w[k, c] for R rows, the kTileCols columns at w (panel rows of
+// kPanel floats, kc of them); ``first``: start from zero, else add to y; ``bias`` (last slice
+// only, else null) is added before the store. kAhead: ``ahead`` is the next panel slice the
+// thread reads (``ahead_k`` rows of it), asked for row by row beside this one's loads.
+template <int R, bool kAhead>
+inline void gemm_tile(const float* x, int64_t ldx, const float* w, int64_t kc, float* y,
+                      int64_t ldy, bool first, const float* bias, const float* ahead,
+                      int64_t ahead_k) {
+  constexpr int64_t W = Vec::W;
+  Vec acc[R][kTileVecs];
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < kTileVecs; ++v) {
+      acc[r][v] = first ? Vec::zero() : Vec::load(y + r * ldy + v * W);
+    }
+  }
+#pragma GCC unroll 2
+  for (int64_t k = 0; k < kc; ++k) {
+    if constexpr (kAhead) {
+      if (k < ahead_k) {  // the row's 192 bytes: three lines (inline asm, which GCC keeps)
+        for (int64_t off = 0; off < kPanel; off += 16) {
+#ifdef LLMSERVE_X86
+          asm volatile("prefetcht0 %0" : : "m"(ahead[k * kPanel + off]));
+#else
+          __builtin_prefetch(ahead + k * kPanel + off, 0, 3);
+#endif
+        }
+      }
+    }
+    Vec b[kTileVecs];
+    for (int v = 0; v < kTileVecs; ++v) b[v] = Vec::load(w + k * kPanel + v * W);
+    for (int r = 0; r < R; ++r) {
+      const Vec a = Vec::set1(x[r * ldx + k]);
+      for (int v = 0; v < kTileVecs; ++v) acc[r][v] = Vec::fma(a, b[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < kTileVecs; ++v) {
+      if (bias != nullptr) acc[r][v] = Vec::add(acc[r][v], Vec::load(bias + v * W));
+      acc[r][v].store(y + r * ldy + v * W);
+    }
+  }
+}
+
+template <int R>
+inline void gemm_tile_ahead(const float* x, int64_t ldx, const float* w, int64_t kc, float* y,
+                            int64_t ldy, bool first, const float* bias, const float* ahead,
+                            int64_t ahead_k) {
+  if (ahead != nullptr) {
+    gemm_tile<R, true>(x, ldx, w, kc, y, ldy, first, bias, ahead, ahead_k);
+  } else {
+    gemm_tile<R, false>(x, ldx, w, kc, y, ldy, first, bias, nullptr, 0);
+  }
+}
+
+// rows [m0, m1) of x, all kTileRows at a time, then the rest one by one
+inline void gemm_rows(const float* x, int64_t ldx, const float* w, int64_t kc, float* y,
+                      int64_t ldy, int64_t m0, int64_t m1, bool first, const float* bias,
+                      const float* ahead, int64_t ahead_k) {
+  for (int64_t c = 0; c < kPanel; c += kTileCols) {
+    const float* bc = bias == nullptr ? nullptr : bias + c;
+    int64_t m = m0;
+    for (; m + kTileRows <= m1; m += kTileRows) {
+      gemm_tile_ahead<kTileRows>(x + m * ldx, ldx, w + c, kc, y + m * ldy + c, ldy, first, bc,
+                                 ahead, ahead_k);
+      ahead = nullptr;  // the first tile asks for the next slice
+    }
+    for (; m < m1; ++m) {
+      gemm_tile_ahead<1>(x + m * ldx, ldx, w + c, kc, y + m * ldy + c, ldy, first, bc, ahead,
+                         ahead_k);
+      ahead = nullptr;
+    }
+  }
+}
+
+// y[m0:m1, panels pb..pe) over all of K: slice by slice, each slice's panels in memory order
+// (the next one asked for while this one is multiplied); y's tile is stored per slice and
+// added to by the next, the bias (padded to whole panels, or null) added on the last.
+inline void gemm_panels(const float* x, int64_t K, const float* packed, int64_t num_panels,
+                        float* y, int64_t ldy, const float* bias, int64_t m0, int64_t m1,
+                        int64_t pb, int64_t pe) {
+  for (int64_t k0 = 0; k0 < K; k0 += kSlice) {
+    const int64_t kc = std::min(kSlice, K - k0);
+    const bool last = k0 + kSlice >= K;
+    for (int64_t p = pb; p < pe; ++p) {
+      const float* w = packed + (p * K + k0) * kPanel;
+      const float* ahead = nullptr;  // the next slice this thread reads
+      int64_t ahead_k = kc;
+      if (p + 1 < pe) {
+        ahead = w + K * kPanel;
+      } else if (!last) {
+        ahead = packed + (pb * K + k0 + kSlice) * kPanel;
+        ahead_k = std::min(kSlice, K - k0 - kSlice);
+      }
+      gemm_rows(x + k0, K, w, kc, y + p * kPanel, ldy, m0, m1, k0 == 0,
+                last && bias != nullptr ? bias + p * kPanel : nullptr, ahead, ahead_k);
+    }
+  }
+}
+
+// y[m0:m1, panels pb..pe) for many rows: panel by panel, each over all of K, so the panel's
+// y tile stays in the caches across its slices and x's rows (one block) are what is re-read.
+inline void gemm_panels_outer(const float* x, int64_t K, const float* packed, int64_t num_panels,
+                              float* y, int64_t ldy, const float* bias, int64_t m0, int64_t m1,
+                              int64_t pb, int64_t pe) {
+  for (int64_t p = pb; p < pe; ++p) {
+    for (int64_t k0 = 0; k0 < K; k0 += kSlice) {
+      const int64_t kc = std::min(kSlice, K - k0);
+      const float* w = packed + (p * K + k0) * kPanel;
+      const bool last = k0 + kSlice >= K;
+      gemm_rows(x + k0, K, w, kc, y + p * kPanel, ldy, m0, m1, k0 == 0,
+                last && bias != nullptr ? bias + p * kPanel : nullptr, nullptr, 0);
+    }
+  }
+}
+
+// Up to kRowBlock rows (decode steps): one pass over the weight, slice by slice, each thread
+// taking a range of panels. More rows (prompt chunks): blocks of kRowBlock rows, one parallel
+// region each, panel by panel (gemm_panels_outer), where the multiply, not the weight's
+// loads, is what costs.
+inline void linear_f32(const float* x, int64_t M, int64_t K, const float* packed,
+                       int64_t num_panels, const float* bias, float* y, int64_t ldy) {
+  if (M <= kRowBlock) {
+    at::parallel_for(0, num_panels, 1, [&](int64_t pb, int64_t pe) {
+      gemm_panels(x, K, packed, num_panels, y, ldy, bias, 0, M, pb, pe);
+    });
+    return;
+  }
+  for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
+    const int64_t m1 = std::min(M, m0 + kRowBlock);
+    at::parallel_for(0, num_panels, 1, [&](int64_t pb, int64_t pe) {
+      gemm_panels_outer(x, K, packed, num_panels, y, ldy, bias, m0, m1, pb, pe);
+    });
+  }
+}

@@ -1,0 +1,83 @@
+"""llmserve's fp32 linear (kernels/cpu/gemm.cpp) on every instruction-set path this CPU runs,
+against ``F.linear`` in float64, and ``PackedLinear`` choosing it in a model.
+
+The shapes cover the kernel's edges: rows fewer than, equal to and past a register tile (8
+with AVX-512, 4 with AVX2) and past a row block (256), columns that do not fill the last
+48-column panel, K shorter than, equal to and past a slice (128), with and without bias.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from llmserve.kernels import cpu as cpu_kernels
+from llmserve.layers.cpu_linear import MAX_OWN_GEMM_FEATURES, PackedLinear, pack_linear_layers
+
+pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
+
+
+@pytest.fixture(params=cpu_kernels.ISAS)
+def isa(request):
+    assert cpu_kernels.available(), "the C++ CPU kernels failed to build (see the log)"
+    if request.param not in cpu_kernels.supported_isas():
+        pytest.skip(f"this CPU cannot run the {request.param} kernels")
+    with cpu_kernels.forced_isa(request.param) as chosen:
+        yield chosen
+
+
+SHAPES = [  # (M, K, N)
+    (1, 1, 1),
+    (3, 5, 7),
+    (8, 128, 48),
+    (9, 129, 50),
+    (64, 300, 96),
+    (17, 256, 145),
+    (300, 70, 49),
+]
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize(("m", "k", "n"), SHAPES)
+def test_linear_f32_matches_float64(isa, m, k, n, with_bias):
+    gen = torch.Generator().manual_seed(m * 1000 + k + n)
+    x = torch.randn(m, k, generator=gen)
+    w = torch.randn(n, k, generator=gen)
+    b = torch.randn(n, generator=gen) if with_bias else None
+    packed = cpu_kernels.linear_f32_pack(w)
+    got = cpu_kernels.linear_f32(x, packed, n, b)
+    want = F.linear(x.double(), w.double(), None if b is None else b.double()).float()
+    assert got.shape == (m, n)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * (k**0.5))
+
+
+def test_linear_f32_keeps_leading_dims_and_reads_strided_x(isa):
+    x = torch.randn(2, 3, 40)[:, :, ::2]  # [2, 3, 20], not contiguous
+    w = torch.randn(33, 20)
+    got = cpu_kernels.linear_f32(x, cpu_kernels.linear_f32_pack(w), 33)
+    assert got.shape == (2, 3, 33)
+    torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_linear_f32_refuses_a_mismatched_weight():
+    packed = cpu_kernels.linear_f32_pack(torch.randn(10, 16))
+    with pytest.raises(RuntimeError, match="does not hold"):
+        cpu_kernels.linear_f32(torch.randn(2, 17), packed, 10)
+    with pytest.raises(RuntimeError, match="float32"):
+        cpu_kernels.linear_f32_pack(torch.randn(10, 16, dtype=torch.bfloat16))
+
+
+def test_packed_linear_uses_own_gemm_for_fp32_and_onednn_for_the_lm_head():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 96), nn.Linear(96, MAX_OWN_GEMM_FEATURES + 1, bias=False))
+    x = torch.randn(5, 64)
+    want = model(x)
+    assert pack_linear_layers(model) == 2
+    first, head = model[0], model[1]
+    assert isinstance(first, PackedLinear) and first.own_gemm
+    assert isinstance(head, PackedLinear) and not head.own_gemm
+    torch.testing.assert_close(model(x), want, rtol=1e-4, atol=1e-4)
