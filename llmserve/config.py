@@ -90,6 +90,9 @@ class CacheConfig:
     enable_prefix_caching: bool = _opt(
         True, "Reuse KV blocks of identical prefixes across requests"
     )
+    swap_space: float = _opt(
+        4.0, "CPU memory (GiB) for the KV of sequences preempted by swapping (allocated on use)"
+    )
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,13 @@ class SchedulerConfig:
     max_num_batched_tokens: int = _opt(2048, "Most tokens (prefill + decode) in one step")
     enable_chunked_prefill: bool = _opt(True, "Split long prompts over several steps")
     scheduling_policy: str = _opt("fcfs", "Order of admission and preemption", ("fcfs", "priority"))
+    preemption_mode: str = _opt(
+        "auto",
+        "What a preempted sequence keeps: swap (its KV copied to --swap-space, resumed where it "
+        "stopped) or recompute (dropped, its tokens computed again); auto = swap on CPU, "
+        "recompute on CUDA",
+        ("auto", "swap", "recompute"),
+    )
     batching: str = _opt(
         "continuous",
         "continuous: join/leave every step; static: run a group until all finish; "
@@ -212,6 +222,10 @@ class EngineConfig:
         SpeculativeConfig.parse(self.model.speculative_config)  # fails before any work
         if not 0.0 < self.cache.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.cache.swap_space < 0:
+            raise ValueError(
+                f"swap_space must be >= 0 GiB (0: no swapping), got {self.cache.swap_space}"
+            )
         from llmserve.distributed.plan import validate_parallel
 
         validate_parallel(self)  # sizes, backend; shape checks need the model (plan.py)

@@ -37,9 +37,14 @@ class FakeEngine:
     """schedule -> fake sample (token = 7 + index) -> update -> finish at max_tokens."""
 
     def __init__(
-        self, num_blocks: int = 64, block_size: int = 4, prefix_caching: bool = True, **sched
+        self,
+        num_blocks: int = 64,
+        block_size: int = 4,
+        prefix_caching: bool = True,
+        num_swap_blocks: int = 0,
+        **sched,
     ):
-        self.bm = BlockManager(num_blocks, block_size, prefix_caching)
+        self.bm = BlockManager(num_blocks, block_size, prefix_caching, num_swap_blocks)
         self.scheduler = Scheduler(SchedulerConfig(**sched), self.bm)
         self.outputs: list[SchedulerOutput] = []
 

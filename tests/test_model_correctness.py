@@ -61,12 +61,18 @@ def test_tiny_token_budget_forces_chunked_prefill(hf_greedy_reference):
     assert_no_leaks(llm)
 
 
-def test_tiny_kv_pool_forces_preemption(hf_greedy_reference):
-    # 12 blocks of 8 tokens: the longest request needs 9, so few fit at once.
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_tiny_kv_pool_forces_preemption(hf_greedy_reference, mode):
+    # 12 blocks of 8 tokens: the longest request needs 9, so few fit at once. swap (the CPU
+    # default): the victims' KV goes to the swap space and comes back; recompute: dropped.
     per_block = 46080 * 8
-    llm = LLM(kv_cache_memory=12 * per_block, block_size=8, max_model_len=80)
-    assert llm.llm_engine.block_manager.num_blocks == 12
+    llm = LLM(kv_cache_memory=12 * per_block, block_size=8, max_model_len=80, preemption_mode=mode)
+    engine = llm.llm_engine
+    assert engine.block_manager.num_blocks == 12
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert _token_ids(outputs) == hf_greedy_reference
-    assert llm.llm_engine.scheduler.num_preemptions > 0
+    assert engine.scheduler.num_preemptions > 0
+    swapped = engine.runner.swap is not None and engine.runner.swap.caches is not None
+    assert swapped == (mode == "swap")
     assert_no_leaks(llm)
+    assert len(engine.block_manager.free_swap_ids) == engine.block_manager.num_swap_blocks

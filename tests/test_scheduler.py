@@ -77,6 +77,65 @@ def test_preemption_and_resumption_lose_nothing():
     engine.bm.check_idle()
 
 
+def test_swap_preemption_resumes_where_it_stopped():
+    # The same squeeze as above with a swap space: the victim's blocks are copied out and
+    # back, so no token of it is computed twice.
+    engine = FakeEngine(num_blocks=6, block_size=4, prefix_caching=False, num_swap_blocks=8)
+    first, second = (
+        make_request("a", 8, max_tokens=8, arrival=1.0),
+        make_request("b", 8, max_tokens=8, arrival=2.0),
+    )
+    engine.add(first, second)
+    swapped_at = None
+    while engine.scheduler.has_unfinished():
+        out = engine.step()
+        if out.blocks_to_swap_out:
+            victim = second.seqs[0]
+            assert victim.status is SequenceStatus.SWAPPED
+            assert [slot for _, slot in out.blocks_to_swap_out] == victim.swap_ids
+            assert victim.block_ids == [] and victim.num_computed_tokens > 8
+            swapped_at = victim.num_computed_tokens
+        if out.blocks_to_swap_in:
+            assert swapped_at is not None
+            resumed = next(s for s in out.scheduled if s.seq is second.seqs[0])
+            # it computed only its next token (the step has run): nothing recomputed
+            assert (
+                resumed.seq.num_computed_tokens == swapped_at + resumed.num_tokens == swapped_at + 1
+            )
+            assert [b for _, b in out.blocks_to_swap_in] == resumed.seq.block_ids[
+                : len(out.blocks_to_swap_in)
+            ]
+    assert engine.scheduler.num_preemptions > 0 and swapped_at is not None
+    computed = sum(s.num_tokens for o in engine.outputs for s in o.scheduled)
+    assert computed == 2 * (8 + 8) - 2  # every token once (the last sampled ones never fed)
+    for request in (first, second):
+        assert request.seqs[0].output_token_ids == [7] * 8
+    engine.bm.check_idle()
+
+
+def test_swap_space_full_falls_back_to_recompute_and_abort_frees_slots():
+    engine = FakeEngine(num_blocks=6, block_size=4, prefix_caching=False, num_swap_blocks=1)
+    first, second = (
+        make_request("a", 8, max_tokens=8, arrival=1.0),
+        make_request("b", 8, max_tokens=8, arrival=2.0),
+    )
+    engine.add(first, second)
+    engine.run()
+    assert engine.scheduler.num_preemptions > 0
+    assert not any(o.blocks_to_swap_out for o in engine.outputs)  # 3 blocks > 1 slot
+    engine.bm.check_idle()
+
+    roomy = FakeEngine(num_blocks=6, block_size=4, prefix_caching=False, num_swap_blocks=8)
+    third, fourth = make_request("c", 8, max_tokens=8), make_request("d", 8, max_tokens=8)
+    roomy.add(third, fourth)
+    while fourth.seqs[0].status is not SequenceStatus.SWAPPED:
+        roomy.step()
+    roomy.scheduler.abort("d")  # a swapped request aborted: its slots come back
+    assert len(roomy.bm.free_swap_ids) == 8
+    roomy.run()
+    roomy.bm.check_idle()
+
+
 def test_priority_preempts_least_important():
     engine = FakeEngine(
         num_blocks=6, block_size=4, prefix_caching=False, scheduling_policy="priority"

@@ -14,6 +14,12 @@ Prefix caching: every *full* block gets a hash chained over all tokens before it
 sequence whose leading blocks hash the same reuses them. Blocks whose reference count drops
 to zero keep their hash and wait in an LRU list; they are evicted (hash forgotten) only when
 a fresh block is needed and no never-used block is left.
+
+Swap space (``num_swap_blocks`` slots outside the pool, vLLM's ``--swap-space``): a sequence
+preempted by swapping has its blocks copied to free slots and released (``swap_out``), and
+copied back into fresh blocks when it resumes (``swap_in``); the copies are recorded in
+``blocks_to_swap_out`` / ``blocks_to_swap_in`` for the runner, which applies them before the
+step's forward pass, swap-outs first.
 """
 
 from __future__ import annotations
@@ -31,7 +37,13 @@ def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
 class BlockManager:
     """Owns the pool's free list, reference counts and the prefix-cache map."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        num_swap_blocks: int = 0,
+    ):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -41,6 +53,10 @@ class BlockManager:
         self.free_ids: deque[int] = deque(range(num_blocks))  # never used or hash dropped
         self.evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; LRU first
         self.blocks_to_copy: list[tuple[int, int]] = []  # (src, dst) copies pending this step
+        self.num_swap_blocks = num_swap_blocks
+        self.free_swap_ids: deque[int] = deque(range(num_swap_blocks))
+        self.blocks_to_swap_out: list[tuple[int, int]] = []  # (block, swap slot) this step
+        self.blocks_to_swap_in: list[tuple[int, int]] = []  # (swap slot, block) this step
         self.num_prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.num_prefix_hits = 0  # of which served from it
 
@@ -77,11 +93,53 @@ class BlockManager:
             seq.block_ids.append(self._take_free_block())
 
     def free(self, seq: Sequence) -> None:
-        """Drop ``seq``'s references; cached blocks stay reusable until evicted."""
+        """Drop ``seq``'s references (and swap slots); cached blocks stay reusable until
+        evicted."""
         for block_id in reversed(seq.block_ids):  # tail blocks are evicted first
             self._release(block_id)
         seq.block_ids = []
         seq.block_hashes = []
+        self.free_swap_ids.extend(seq.swap_ids)
+        seq.swap_ids = []
+
+    # ---- swap space -------------------------------------------------------------------
+    def can_swap_out(self, seq: Sequence) -> bool:
+        return 0 < len(seq.block_ids) <= len(self.free_swap_ids)
+
+    def swap_out(self, seq: Sequence) -> None:
+        """Copy ``seq``'s blocks to swap slots and release them (shared ones stay with their
+        other owners)."""
+        assert self.can_swap_out(seq) and not seq.swap_ids
+        for block_id in seq.block_ids:
+            slot = self.free_swap_ids.popleft()
+            self.blocks_to_swap_out.append((block_id, slot))
+            seq.swap_ids.append(slot)
+        for block_id in reversed(seq.block_ids):
+            self._release(block_id)
+        seq.block_ids = []
+        seq.block_hashes = []  # the blocks it comes back to are registered anew
+
+    def can_swap_in(self, seq: Sequence, num_new_tokens: int) -> bool:
+        total = self.num_blocks_for(seq.num_computed_tokens + num_new_tokens)
+        return max(total, len(seq.swap_ids)) <= self.num_free_blocks
+
+    def swap_in(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Copy ``seq``'s swapped KV into fresh blocks, with slots for ``num_new_tokens``."""
+        assert self.can_swap_in(seq, num_new_tokens) and not seq.block_ids
+        for slot in seq.swap_ids:
+            block_id = self._take_free_block()
+            self.blocks_to_swap_in.append((slot, block_id))
+            seq.block_ids.append(block_id)
+        self.free_swap_ids.extend(seq.swap_ids)
+        seq.swap_ids = []
+        self.allocate(seq, num_new_tokens)
+        self.cache_full_blocks(seq)
+
+    def take_swaps(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """This step's (swap-outs, swap-ins), emptied."""
+        swaps = (self.blocks_to_swap_out, self.blocks_to_swap_in)
+        self.blocks_to_swap_out, self.blocks_to_swap_in = [], []
+        return swaps
 
     def trim(self, seq: Sequence) -> None:
         """Give back blocks past ``seq.num_computed_tokens`` (slots of rejected drafts)."""
@@ -152,6 +210,8 @@ class BlockManager:
         leaked = [b for b, count in enumerate(self.ref_counts) if count != 0]
         if leaked or self.num_free_blocks != self.num_blocks:
             raise AssertionError(f"leaked KV blocks {leaked[:16]} (free {self.num_free_blocks})")
+        if len(self.free_swap_ids) != self.num_swap_blocks:
+            raise AssertionError(f"leaked swap slots ({len(self.free_swap_ids)} free)")
 
     # ---- internals --------------------------------------------------------------------
     def _full_block_hashes(self, token_ids: list[int]) -> list[int]:

@@ -79,7 +79,10 @@ class LLMEngine:
         logger.info(info)
         self.kv_info = info
         self.block_manager = BlockManager(
-            num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
+            num_blocks,
+            config.cache.block_size,
+            config.cache.enable_prefix_caching,
+            num_swap_blocks=getattr(self.runner, "num_swap_blocks", 0),
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.speculative)
         self._last_spec_log = time.monotonic()

@@ -5,8 +5,10 @@ Every step hands out at most ``max_num_batched_tokens`` tokens over at most
 
   1. running sequences first, in priority order: one token each for decodes, a chunk for
      prompts still being prefilled; when the pool is out of blocks, the least important
-     running sequence is preempted (its blocks freed, it goes back to the waiting queue and
-     is recomputed later, the prefix cache permitting);
+     running sequence is preempted: its blocks are freed and it goes back to the waiting
+     queue, its KV copied to the swap space when there is one (it resumes where it stopped:
+     a copy back, the CPU default) or dropped (recomputed later, the prefix cache
+     permitting: ``--preemption-mode recompute``, and the CUDA default);
   2. then waiting sequences, while budget, sequence slots and blocks last; a prompt longer
      than the remaining budget is chunked over several steps.
 
@@ -54,6 +56,10 @@ class Scheduler:
         self._finished_seq_ids: list[int] = []
         self.num_preemptions = 0
         self.policy = make_policy(config)  # batching strategy: who may join the batch
+        # a draft model's KV pool would need swapping too: its sequences are recomputed
+        self.can_swap = block_manager.num_swap_blocks > 0 and not (
+            speculative is not None and speculative.uses_draft_model
+        )
 
     # ---- interface ------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -74,6 +80,7 @@ class Scheduler:
         # drafts to verify run as decode rows too (runner/inputs.py).
         out.scheduled.sort(key=lambda s: s.num_tokens != 1 and not s.num_spec_tokens)
         out.blocks_to_copy = self.block_manager.take_blocks_to_copy()
+        out.blocks_to_swap_out, out.blocks_to_swap_in = self.block_manager.take_swaps()
         out.finished_seq_ids, self._finished_seq_ids = self._finished_seq_ids, []
         return out
 
@@ -262,11 +269,21 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: Sequence) -> None:
+        """Free ``seq``'s blocks and queue it again: swapped out when the swap space takes it
+        (beams excepted: they trade blocks among themselves), else to be recomputed."""
         self.running.remove(seq)
-        self.block_manager.free(seq)
-        seq.num_computed_tokens = 0
-        seq.draft_num_computed_tokens = 0
-        seq.status = SequenceStatus.WAITING
+        if (
+            self.can_swap
+            and not seq.request.params.use_beam_search
+            and self.block_manager.can_swap_out(seq)
+        ):
+            self.block_manager.swap_out(seq)
+            seq.status = SequenceStatus.SWAPPED
+        else:
+            self.block_manager.free(seq)
+            seq.num_computed_tokens = 0
+            seq.draft_num_computed_tokens = 0
+            seq.status = SequenceStatus.WAITING
         self.num_preemptions += 1
         self._insert(self.waiting, seq)
 
@@ -292,6 +309,8 @@ class Scheduler:
 
     def _try_admit(self, seq: Sequence, budget: int) -> int:
         """Move ``seq`` to running with blocks for its first chunk; 0 if it does not fit."""
+        if seq.status is SequenceStatus.SWAPPED:
+            return self._try_swap_in(seq, budget)
         if not seq.block_ids and seq.request.params.prompt_logprobs is None:
             seq.num_computed_tokens = self.block_manager.acquire_cached_prefix(seq)
             if seq.num_output_tokens == 0:
@@ -312,6 +331,17 @@ class Scheduler:
             seq.request.metrics.first_scheduled_time = time.monotonic()
         return num_tokens
 
+    def _try_swap_in(self, seq: Sequence, budget: int) -> int:
+        """Resume a swapped sequence where it stopped (its KV copied back); 0 if no room."""
+        num_tokens = min(seq.num_uncomputed_tokens, budget)
+        if not self.block_manager.can_swap_in(seq, num_tokens):
+            return 0
+        self.waiting.remove(seq)
+        self.block_manager.swap_in(seq, num_tokens)
+        seq.status = SequenceStatus.RUNNING
+        self._insert(self.running, seq)
+        return num_tokens
+
     def count_admittable(self, budget: int) -> int:
         """How many waiting sequences would fit now (prefix-cache hits not counted)."""
         num_seqs, free_blocks, count = (
@@ -321,7 +351,8 @@ class Scheduler:
         )
         for seq in self.waiting:
             num_tokens = min(seq.num_uncomputed_tokens, budget)
-            blocks = self.block_manager.num_blocks_for(num_tokens)
+            held = seq.num_computed_tokens if seq.status is SequenceStatus.SWAPPED else 0
+            blocks = self.block_manager.num_blocks_for(held + num_tokens)
             slots = 1 + seq.request.num_pending_forks
             if budget == 0 or blocks > free_blocks or num_seqs + slots > self.config.max_num_seqs:
                 break

@@ -25,6 +25,8 @@ class SchedulerOutput:
 
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (block, slot)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (slot, block)
     finished_seq_ids: list[int] = field(default_factory=list)  # runner may drop their state
     num_preempted: int = 0
 

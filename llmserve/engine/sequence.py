@@ -27,6 +27,7 @@ from llmserve.sampling_params import SamplingParams
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"  # preempted with its KV copied to the swap space; waits to come back
     FINISHED = "finished"
 
 
@@ -59,6 +60,7 @@ class Sequence:
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # hashes of full, cached blocks
+    swap_ids: list[int] = field(default_factory=list)  # swap-space slots while SWAPPED
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, float]] = field(default_factory=list)

@@ -105,3 +105,44 @@ def copy_blocks(
     for k_cache, v_cache in kv_caches:
         k_cache[dst] = k_cache[src]
         v_cache[dst] = v_cache[src]
+
+
+class SwapSpace:
+    """CPU memory for the KV blocks of swapped-out sequences: ``num_blocks`` slots per layer,
+    allocated on the first swap-out (untouched pages cost nothing until then)."""
+
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, pin_memory: bool = False):
+        self.spec, self.num_blocks, self.pin_memory = spec, num_blocks, pin_memory
+        self.caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def _allocate(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if self.caches is None:
+            spec = self.spec
+            shape = (self.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+            self.caches = [
+                tuple(
+                    torch.empty(shape, dtype=spec.dtype, pin_memory=self.pin_memory)
+                    for _ in range(2)
+                )
+                for _ in range(spec.num_layers)
+            ]
+        return self.caches
+
+    def swap_out(self, kv_caches, pairs: list[tuple[int, int]]) -> None:
+        """Slot ``slot`` of every layer gets a copy of pool block ``block`` ((block, slot))."""
+        if pairs:
+            blocks = torch.tensor([b for b, _ in pairs], device=kv_caches[0][0].device)
+            slots = torch.tensor([s for _, s in pairs])
+            for pool, swap in zip(kv_caches, self._allocate()):
+                for cache, store in zip(pool, swap):
+                    store[slots] = cache[blocks].to("cpu")
+
+    def swap_in(self, kv_caches, pairs: list[tuple[int, int]]) -> None:
+        """Pool block ``block`` of every layer gets the swapped copy in ``slot`` ((slot, block))."""
+        if pairs:
+            device = kv_caches[0][0].device
+            slots = torch.tensor([s for s, _ in pairs])
+            blocks = torch.tensor([b for _, b in pairs], device=device)
+            for pool, swap in zip(kv_caches, self._allocate()):
+                for cache, store in zip(pool, swap):
+                    cache[blocks] = store[slots].to(device, non_blocking=self.pin_memory)

@@ -51,6 +51,7 @@ class ModelRunner:
         attention_backend: str,
         cuda_graphs: CUDAGraphRunner | None = None,
         drafter: DraftModelProposer | None = None,
+        swap: kv_cache.SwapSpace | None = None,
     ):
         self.model = model
         self.kv_caches = kv_caches
@@ -62,11 +63,19 @@ class ModelRunner:
         self.generators: dict[int, torch.Generator] = {}
         self.cuda_graphs = cuda_graphs  # decode-only steps replay a captured graph (CUDA)
         self.drafter = drafter  # speculative decoding with a draft model
+        self.swap = swap  # where preempted sequences' KV waits (--preemption-mode swap)
+
+    @property
+    def num_swap_blocks(self) -> int:
+        return 0 if self.swap is None else self.swap.num_blocks
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         for seq_id in sched.finished_seq_ids:
             self.generators.pop(seq_id, None)
+        if self.swap is not None:  # swap-outs first: their blocks may be handed out again
+            self.swap.swap_out(self.kv_caches, sched.blocks_to_swap_out)
+            self.swap.swap_in(self.kv_caches, sched.blocks_to_swap_in)
         kv_cache.copy_blocks(self.kv_caches, sched.blocks_to_copy)
         drafts = self._propose(sched.scheduled)
         inputs = self.prepare_inputs(sched.scheduled, drafts)

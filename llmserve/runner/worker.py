@@ -172,8 +172,9 @@ def create_runner(
             model, caches, config.scheduler.max_num_seqs, max_model_len, spec.block_size, device
         )
         graphs.capture()
+    swap = make_swap_space(config, spec, device) if drafter is None else None
     runner = ModelRunner(
-        model, caches, spec.block_size, device, eos_token_id, backend, graphs, proposer
+        model, caches, spec.block_size, device, eos_token_id, backend, graphs, proposer, swap
     )
     weights = quantization.describe_weight_bytes(quantization.weight_bytes_by_dtype(model))
     info = (
@@ -181,6 +182,8 @@ def create_runner(
         f"{quantization.describe_quantization(model)}{weights}; "
         + kv_cache.describe(spec, num_blocks, max_model_len)
     )
+    if swap is not None:
+        info += f"; swap space {config.cache.swap_space:g} GiB ({swap.num_blocks} blocks)"
     if proposer is not None:
         draft = quantization.describe_weight_bytes(quantization.weight_bytes_by_dtype(draft_model))
         pool = (
@@ -193,6 +196,18 @@ def create_runner(
             f"{quantization.describe_quantization(draft_model)}{draft}, {pool}"
         )
     return runner, num_blocks, info
+
+
+def make_swap_space(
+    config: EngineConfig, spec: kv_cache.KVCacheSpec, device: torch.device
+) -> kv_cache.SwapSpace | None:
+    """The swap space of ``--preemption-mode swap`` (auto: on CPU, where copying a sequence's
+    KV costs far less than computing its tokens again), or None (recompute)."""
+    mode = config.scheduler.preemption_mode
+    if mode == "recompute" or (mode == "auto" and device.type != "cpu"):
+        return None
+    num_blocks = int(config.cache.swap_space * (1 << 30)) // spec.bytes_per_block
+    return kv_cache.SwapSpace(spec, num_blocks) if num_blocks > 0 else None
 
 
 def kv_spec(model, hf_config, dtype, block_size: int) -> kv_cache.KVCacheSpec:
