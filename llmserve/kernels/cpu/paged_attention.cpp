@@ -87,13 +87,22 @@ struct Batch {
 
 // A thread's buffers: the scaled fp32 query (and its bf16 pairs for vdpbf16ps), a block's
 // scores, accumulators, m, l, corrections.
+// Tokens per online-softmax step (whole blocks, at least one): the running maxima, sums and
+// corrections, with their sums across lanes, are paid once per step, not once per block.
+constexpr int64_t kStepTokens = 64;
+
+inline int64_t step_blocks(int64_t block_size) {
+  return std::max<int64_t>(1, kStepTokens / block_size);
+}
+
 struct Scratch {
-  std::vector<float> q, scores, acc, m, l, correction;
+  std::vector<float> q, scores, acc, m, l, correction, ones;
   std::vector<uint32_t> qw;
   explicit Scratch(const Shape& sh)
-      : q(sh.num_heads * sh.head_dim), scores(sh.num_heads * sh.block_size),
+      : q(sh.num_heads * sh.head_dim),
+        scores(sh.num_heads * sh.block_size * step_blocks(sh.block_size)),
         acc(sh.num_heads * sh.head_dim), m(sh.num_heads), l(sh.num_heads),
-        correction(sh.num_heads), qw(sh.num_heads * sh.head_dim / 2 + 1) {}
+        correction(sh.num_heads), ones(sh.num_heads, 1.f), qw(sh.num_heads * sh.head_dim / 2 + 1) {}
 };
 
 }  // namespace

@@ -173,21 +173,22 @@ dots_t_dpbf16(const uint32_t* qw, const uint16_t* kt, int64_t bs, int64_t n, int
 }
 #endif
 
-// the scores of a block's n tokens for NH query heads h.. that share KV head g
+// the scores of a block's n tokens for NH query heads h.. that share KV head g; head h + j's
+// go to out + j * os
 template <int NH, typename T>
 inline void block_scores(const Shape& sh, const Scratch& w, int64_t h, int64_t g, const T* kb,
-                         int64_t n, float* out) {
+                         int64_t n, float* out, int64_t os) {
   const int64_t D = sh.head_dim, bs = sh.block_size;
-  if (!sh.k_t) return dots<NH>(w.q.data() + h * D, kb + g * D, sh.row, n, D, out, bs);
+  if (!sh.k_t) return dots<NH>(w.q.data() + h * D, kb + g * D, sh.row, n, D, out, os);
 #ifdef LLMSERVE_X86
   if constexpr (Vec::W == 16 && std::is_same<T, uint16_t>::value) {
     if (sh.dp_bf16) {
       return dots_t_dpbf16<NH>(w.qw.data() + h * (D / 2), kb + g * D * bs, bs, n, D, sh.scale,
-                               out, bs);
+                               out, os);
     }
   }
 #endif
-  dots_t<NH>(w.q.data() + h * D, kb + g * D * bs, bs, n, D, out, bs);
+  dots_t<NH>(w.q.data() + h * D, kb + g * D * bs, bs, n, D, out, os);
 }
 
 // Query head h's row src (D elements) into the scratch: w.q = scale * q as fp32, in the order
@@ -232,12 +233,16 @@ inline float exp_and_sum(float* s, int64_t n, float mx) {
     e.store(s + i);
     acc = Vec::add(acc, e);
   }
-  float sum = Vec::reduce_add(acc);
-  for (; i < n; ++i) {
-    s[i] = std::exp(s[i] - mx);
-    sum += s[i];
+  if (i < n) {  // the rest through one vector padded with -inf (e^-inf = 0 adds nothing)
+    float tail[W];
+    std::fill(tail, tail + W, -std::numeric_limits<float>::infinity());
+    std::copy(s + i, s + n, tail);
+    const Vec e = Vec::exp(Vec::sub(Vec::load(tail), mv));
+    e.store(tail);
+    std::copy(tail, tail + (n - i), s + i);
+    acc = Vec::add(acc, e);
   }
-  return sum;
+  return Vec::reduce_add(acc);
 }
 
 // ask for the cache lines of [p, p + bytes) ahead of their use; Locality is
@@ -346,59 +351,71 @@ inline void mask_beyond(const int64_t* limits, int64_t heads, int64_t b0, int64_
   }
 }
 
+constexpr int64_t kCachedContextBytes = 1 << 20;  // K + V of one sequence held in L2
+
 // Attend the query rows in w (num_heads of them, put there by load_query) over tokens [t0, t1)
-// of one sequence (t0 on a block boundary), one block at a time with an online softmax: the
-// block's scores, the running maxima m and sums l (acc rescaled when a maximum grows, folded
-// into the V pass), then the block's V rows. The next blocks' K and V are asked for while
-// this one is computed, and the scores never leave L1. Leaves
-// acc [num_heads, head_dim] unnormalised (chunk order), m and l [num_heads]. ``limits``
-// (causal prompt rows, else null): head h sees tokens [t0, limits[h]) only; the first token
-// must be visible to every head.
+// of one sequence (t0 on a block boundary) with an online softmax, a step of up to
+// step_blocks blocks (kStepTokens tokens) at a time: the step's scores block by block, the
+// running maxima m and sums l (acc rescaled when a maximum grows, folded into the first V
+// pass), then the blocks' V rows. The next blocks' K and V are asked for while this one is
+// computed, and the scores never leave L1. Leaves acc [num_heads, head_dim] unnormalised
+// (chunk order), m and l [num_heads]. ``limits`` (causal prompt rows, else null): head h sees
+// tokens [t0, limits[h]) only; the first token must be visible to every head.
 template <typename T>
 void attend_chunk(const Shape& sh, const T* k_cache, const T* v_cache, const int32_t* table,
                   int64_t t0, int64_t t1, Scratch& w, float* acc, float* m, float* l,
                   const int64_t* limits = nullptr) {
   const int64_t H = sh.num_heads, D = sh.head_dim, bs = sh.block_size;
+  const int64_t stride = bs * step_blocks(bs);  // a head's scores in the scratch
   std::fill(acc, acc + H * D, 0.f);
   std::fill(m, m + H, -std::numeric_limits<float>::infinity());
   std::fill(l, l + H, 0.f);
-  for (int64_t b0 = t0; b0 < t1; b0 += bs) {
-    const int64_t n = std::min(bs, t1 - b0);
-    const int64_t block = table[b0 / bs];
-    const T* kb = k_cache + block * bs * sh.row;  // token i of the block: kb + i * row
-    const T* vb = v_cache + block * bs * sh.row;
-    // Blocks are scattered, so no hardware prefetcher finds the next one. The next block's
-    // K is asked for into L1 (prefetcht0) before this block's scores and its V before this
-    // block's V pass, and the block after it alike with prefetchnta. Measured on Zen 5 in
-    // the engine (bf16, random 256/128): nta two ahead took 14% off decode attention (t0/t1/
-    // t2 two ahead, or nta three or more, gained less or lost), and asking for V just before
-    // the V pass, not in one burst with K, another 10%.
-    const int64_t next = b0 + bs < t1 ? table[b0 / bs + 1] * bs * sh.row : -1;
-    const int64_t after = b0 + 2 * bs < t1 ? table[b0 / bs + 2] * bs * sh.row : -1;
-    const int64_t row_bytes = sh.row * int64_t(sizeof(T));
-    auto ask_ahead = [&](const T* pool) {
-      if (next >= 0) prefetch<3>(pool + next, std::min(bs, t1 - b0 - bs) * row_bytes);
-      if (after >= 0) prefetch<0>(pool + after, std::min(bs, t1 - b0 - 2 * bs) * row_bytes);
-    };
-    ask_ahead(k_cache);
-    for_head_groups(sh, [&](auto nh, int64_t h, int64_t g) {
-      block_scores<decltype(nh)::value>(sh, w, h, g, kb, n, w.scores.data() + h * bs);
-    });
-    if (limits != nullptr) mask_beyond(limits, H, b0, n, w.scores.data(), bs);
+  const int64_t row_bytes = sh.row * int64_t(sizeof(T));
+  // Blocks are scattered, so no hardware prefetcher finds the next one. The next block's
+  // K is asked for into L1 (prefetcht0) before this block's scores and its V before this
+  // block's V pass, and the block after it alike with prefetchnta. Measured on Zen 5 in
+  // the engine (bf16, random 256/128): nta two ahead took 14% off decode attention (t0/t1/
+  // t2 two ahead, or nta three or more, gained less or lost), and asking for V just before
+  // the V pass, not in one burst with K, another 10%.
+  // Prompt rows re-read their sequence's blocks item after item: a context that fits the
+  // caches is not asked for (the asking cost 5% of the prompt attention at 256 tokens).
+  const bool ask = limits == nullptr || (t1 - t0) * row_bytes * 2 > kCachedContextBytes;
+  auto ask_ahead = [&](const T* pool, int64_t b0) {
+    if (!ask) return;
+    if (b0 + bs < t1) prefetch<3>(pool + table[b0 / bs + 1] * bs * sh.row, std::min(bs, t1 - b0 - bs) * row_bytes);
+    if (b0 + 2 * bs < t1) prefetch<0>(pool + table[b0 / bs + 2] * bs * sh.row, std::min(bs, t1 - b0 - 2 * bs) * row_bytes);
+  };
+  for (int64_t s0 = t0; s0 < t1; s0 += stride) {
+    const int64_t sn = std::min(stride, t1 - s0);  // the step's tokens
+    for (int64_t b0 = s0; b0 < s0 + sn; b0 += bs) {
+      const T* kb = k_cache + table[b0 / bs] * bs * sh.row;  // token i: kb + i * row
+      const int64_t n = std::min(bs, t1 - b0);
+      ask_ahead(k_cache, b0);
+      for_head_groups(sh, [&](auto nh, int64_t h, int64_t g) {
+        block_scores<decltype(nh)::value>(sh, w, h, g, kb, n,
+                                          w.scores.data() + h * stride + (b0 - s0), stride);
+      });
+    }
+    if (limits != nullptr) mask_beyond(limits, H, s0, sn, w.scores.data(), stride);
     for (int64_t h = 0; h < H; ++h) {
-      const float mx = running_max(w.scores.data() + h * bs, n, m[h]);
+      const float mx = running_max(w.scores.data() + h * stride, sn, m[h]);
       w.correction[h] = m[h] - mx;
       m[h] = mx;
     }
-    exp_inplace(w.correction.data(), H);  // ~0 on the first block (m = -inf), where acc = l = 0
+    exp_inplace(w.correction.data(), H);  // ~0 on the first step (m = -inf), where acc = l = 0
     for (int64_t h = 0; h < H; ++h) {
-      l[h] = l[h] * w.correction[h] + exp_and_sum(w.scores.data() + h * bs, n, m[h]);
+      l[h] = l[h] * w.correction[h] + exp_and_sum(w.scores.data() + h * stride, sn, m[h]);
     }
-    ask_ahead(v_cache);
-    for_head_groups(sh, [&](auto nh, int64_t h, int64_t g) {
-      accumulate<decltype(nh)::value>(acc + h * D, w.scores.data() + h * bs, bs, vb + g * D,
-                                      sh.row, n, D, w.correction.data() + h);
-    });
+    for (int64_t b0 = s0; b0 < s0 + sn; b0 += bs) {
+      const T* vb = v_cache + table[b0 / bs] * bs * sh.row;
+      const int64_t n = std::min(bs, t1 - b0);
+      const float* correction = b0 == s0 ? w.correction.data() : w.ones.data();
+      ask_ahead(v_cache, b0);
+      for_head_groups(sh, [&](auto nh, int64_t h, int64_t g) {
+        accumulate<decltype(nh)::value>(acc + h * D, w.scores.data() + h * stride + (b0 - s0),
+                                        stride, vb + g * D, sh.row, n, D, correction + h);
+      });
+    }
   }
 }
 
