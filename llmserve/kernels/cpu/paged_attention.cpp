@@ -12,9 +12,10 @@
 //
 // A work item is one sequence, or one chunk of its blocks when there are too few sequences to
 // keep every thread busy (split-K, as flash-decoding does on a GPU). An item walks its blocks
-// in order (FlashAttention's online softmax, one block at a time); query head h uses KV head
-// h / (num_heads / num_kv_heads), so each K/V block is read from memory once for all heads:
-//   s[h][i] = scale * q_h . k_i          the block's scores (i < block_size)
+// in order (FlashAttention's online softmax, a step of whole blocks, up to kStepTokens
+// tokens, at a time); query head h uses KV head h / (num_heads / num_kv_heads), so each K/V
+// block is read from memory once for all heads:
+//   s[h][i] = scale * q_h . k_i          the step's scores (i < its tokens)
 //   m_h' = max(m_h, max_i s[h][i]),  l_h = l_h e^(m_h - m_h') + sum_i e^(s[h][i] - m_h')
 //   acc_h = acc_h e^(m_h - m_h') + sum_i e^(s[h][i] - m_h') v_i
 // One chunk: out_h = acc_h / l_h. Several: each writes (m, l, acc) and a reduction rescales
@@ -89,7 +90,10 @@ struct Batch {
 // scores, accumulators, m, l, corrections.
 // Tokens per online-softmax step (whole blocks, at least one): the running maxima, sums and
 // corrections, with their sums across lanes, are paid once per step, not once per block.
-constexpr int64_t kStepTokens = 64;
+// Measured on Zen 5 (fp32, engine, random 256/128): one 16-token block per step -> 64 tokens
+// took decode attention from 3.48 to 2.60 s and prompt-chunk attention from 1.19 to 0.86 s;
+// 128 gained 12% more on the prompt kernel alone, and was even with 64 in the engine.
+constexpr int64_t kStepTokens = 128;
 
 inline int64_t step_blocks(int64_t block_size) {
   return std::max<int64_t>(1, kStepTokens / block_size);
