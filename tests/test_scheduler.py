@@ -61,14 +61,20 @@ def test_priority_order():
     assert order == ["high", "mid", "low"]
 
 
-def test_preemption_and_resumption_lose_nothing():
-    # 6 blocks of 4 tokens; each request grows to 8 + 8 = 16 tokens = 4 blocks: two cannot coexist.
-    engine = FakeEngine(num_blocks=6, block_size=4, prefix_caching=False)
-    first, second = (
-        make_request("a", 8, max_tokens=8, arrival=1.0),
-        make_request("b", 8, max_tokens=8, arrival=2.0),
+def _squeezed_pair(num_swap_blocks: int = 0):
+    """6 blocks of 4 tokens; each request grows to 8 + 8 = 16 tokens = 4 blocks: two cannot
+    coexist, so the later one is preempted."""
+    engine = FakeEngine(
+        num_blocks=6, block_size=4, prefix_caching=False, num_swap_blocks=num_swap_blocks
     )
+    first = make_request("a", 8, max_tokens=8, arrival=1.0)
+    second = make_request("b", 8, max_tokens=8, arrival=2.0)
     engine.add(first, second)
+    return engine, first, second
+
+
+def test_preemption_and_resumption_lose_nothing():
+    engine, first, second = _squeezed_pair()
     engine.run()
     assert engine.scheduler.num_preemptions > 0
     assert sum(o.num_preempted for o in engine.outputs) == engine.scheduler.num_preemptions
@@ -78,14 +84,9 @@ def test_preemption_and_resumption_lose_nothing():
 
 
 def test_swap_preemption_resumes_where_it_stopped():
-    # The same squeeze as above with a swap space: the victim's blocks are copied out and
-    # back, so no token of it is computed twice.
-    engine = FakeEngine(num_blocks=6, block_size=4, prefix_caching=False, num_swap_blocks=8)
-    first, second = (
-        make_request("a", 8, max_tokens=8, arrival=1.0),
-        make_request("b", 8, max_tokens=8, arrival=2.0),
-    )
-    engine.add(first, second)
+    # The same squeeze with a swap space: the victim's blocks are copied out and back, so no
+    # token of it is computed twice.
+    engine, first, second = _squeezed_pair(num_swap_blocks=8)
     swapped_at = None
     while engine.scheduler.has_unfinished():
         out = engine.step()
@@ -114,12 +115,7 @@ def test_swap_preemption_resumes_where_it_stopped():
 
 
 def test_swap_space_full_falls_back_to_recompute_and_abort_frees_slots():
-    engine = FakeEngine(num_blocks=6, block_size=4, prefix_caching=False, num_swap_blocks=1)
-    first, second = (
-        make_request("a", 8, max_tokens=8, arrival=1.0),
-        make_request("b", 8, max_tokens=8, arrival=2.0),
-    )
-    engine.add(first, second)
+    engine, _, _ = _squeezed_pair(num_swap_blocks=1)
     engine.run()
     assert engine.scheduler.num_preemptions > 0
     assert not any(o.blocks_to_swap_out for o in engine.outputs)  # 3 blocks > 1 slot

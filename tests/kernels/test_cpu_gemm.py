@@ -21,15 +21,6 @@ from llmserve.layers.cpu_linear import MAX_OWN_GEMM_FEATURES, PackedLinear, pack
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
 
 
-@pytest.fixture(params=cpu_kernels.ISAS)
-def isa(request):
-    assert cpu_kernels.available(), "the C++ CPU kernels failed to build (see the log)"
-    if request.param not in cpu_kernels.supported_isas():
-        pytest.skip(f"this CPU cannot run the {request.param} kernels")
-    with cpu_kernels.forced_isa(request.param) as chosen:
-        yield chosen
-
-
 SHAPES = [  # (M, K, N)
     (1, 1, 1),
     (3, 5, 7),

@@ -25,17 +25,6 @@ pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ comp
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-@pytest.fixture(params=cpu_kernels.ISAS)
-def isa(request):
-    """Each path in turn, skipping those this CPU lacks."""
-    assert cpu_kernels.available(), "the C++ CPU kernels failed to build (see the log)"
-    if request.param not in cpu_kernels.supported_isas():
-        pytest.skip(f"this CPU cannot run the {request.param} kernels")
-    with cpu_kernels.forced_isa(request.param) as chosen:
-        assert chosen == request.param
-        yield chosen
-
-
 LAYOUTS = ["tokens", "keys-transposed"]
 
 
