@@ -28,6 +28,19 @@ inline bool cpu_supports(Isa isa) {
   return isa == Isa::kScalar;
 }
 
+// AMD's and Intel's cores answer software prefetch hints differently (paged_attention_impl.h)
+inline bool cpu_is_amd() {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  static const bool amd = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("amd") != 0;
+  }();
+  return amd;
+#else
+  return false;
+#endif
+}
+
 inline Isa best_isa() {
   if (cpu_supports(Isa::kAvx512Bf16)) return Isa::kAvx512Bf16;
   if (cpu_supports(Isa::kAvx512)) return Isa::kAvx512;

@@ -246,7 +246,7 @@ inline float exp_and_sum(float* s, int64_t n, float mx) {
 }
 
 // ask for the cache lines of [p, p + bytes) ahead of their use; Locality is
-// __builtin_prefetch's: 3 = prefetcht0 (into L1), 0 = prefetchnta. On x86 through inline
+// __builtin_prefetch's: 3 = prefetcht0 (into L1), 1 = prefetcht2 (into L2), 0 = prefetchnta. On x86 through inline
 // asm: GCC deletes a loop of nothing but __builtin_prefetch as free of side effects.
 template <int Locality>
 inline void prefetch(const void* p, int64_t bytes) {
@@ -255,6 +255,8 @@ inline void prefetch(const void* p, int64_t bytes) {
 #ifdef LLMSERVE_X86
     if constexpr (Locality == 0) {
       asm volatile("prefetchnta %0" : : "m"(c[off]));
+    } else if constexpr (Locality == 1) {
+      asm volatile("prefetcht2 %0" : : "m"(c[off]));
     } else {
       asm volatile("prefetcht0 %0" : : "m"(c[off]));
     }
@@ -371,19 +373,27 @@ void attend_chunk(const Shape& sh, const T* k_cache, const T* v_cache, const int
   std::fill(m, m + H, -std::numeric_limits<float>::infinity());
   std::fill(l, l + H, 0.f);
   const int64_t row_bytes = sh.row * int64_t(sizeof(T));
-  // Blocks are scattered, so no hardware prefetcher finds the next one. The next block's
-  // K is asked for into L1 (prefetcht0) before this block's scores and its V before this
-  // block's V pass, and the block after it alike with prefetchnta. Measured on Zen 5 in
-  // the engine (bf16, random 256/128): nta two ahead took 14% off decode attention (t0/t1/
-  // t2 two ahead, or nta three or more, gained less or lost), and asking for V just before
-  // the V pass, not in one burst with K, another 10%.
+  // Blocks are scattered, so no hardware prefetcher finds the next one: K blocks are asked
+  // for before this block's scores, V blocks before this block's V pass (not in one burst
+  // with K: 10% faster on Zen 5). Which hint depends on the vendor (cpu_is_amd, measured):
+  // - AMD (Zen 5, engine, bf16 random 256/128): the next block into L1 (prefetcht0) and the
+  //   one after it with prefetchnta took 14% off decode attention; t0/t1/t2 two ahead, or nta
+  //   three or more, gained less or lost.
+  // - Intel (Sapphire Rapids, benchmarks.decode_attention, batch 64, 172-320 tokens, block
+  //   16): that scheme read 7.1-7.6 GB/s, half of no prefetch at all (15.2-16.2): nta and t0
+  //   bursts hold the line-fill buffers and the loads behind them wait. The block two ahead
+  //   into L2 (prefetcht2) reads 17.6-18.5 GB/s fp32, 14.5-15.7 bf16 (memory 23.9 GB/s).
   // Prompt rows re-read their sequence's blocks item after item: a context that fits the
   // caches is not asked for (the asking cost 5% of the prompt attention at 256 tokens).
   const bool ask = limits == nullptr || (t1 - t0) * row_bytes * 2 > kCachedContextBytes;
   auto ask_ahead = [&](const T* pool, int64_t b0) {
     if (!ask) return;
-    if (b0 + bs < t1) prefetch<3>(pool + table[b0 / bs + 1] * bs * sh.row, std::min(bs, t1 - b0 - bs) * row_bytes);
-    if (b0 + 2 * bs < t1) prefetch<0>(pool + table[b0 / bs + 2] * bs * sh.row, std::min(bs, t1 - b0 - 2 * bs) * row_bytes);
+    const bool amd = ::llmserve::cpu_is_amd();
+    if (amd && b0 + bs < t1) prefetch<3>(pool + table[b0 / bs + 1] * bs * sh.row, std::min(bs, t1 - b0 - bs) * row_bytes);
+    if (b0 + 2 * bs >= t1) return;
+    const T* two_ahead = pool + table[b0 / bs + 2] * bs * sh.row;
+    const int64_t bytes = std::min(bs, t1 - b0 - 2 * bs) * row_bytes;
+    amd ? prefetch<0>(two_ahead, bytes) : prefetch<1>(two_ahead, bytes);
   };
   for (int64_t s0 = t0; s0 < t1; s0 += stride) {
     const int64_t sn = std::min(stride, t1 - s0);  // the step's tokens
