@@ -12,6 +12,7 @@ from llmserve.runner.sampler import (
     SamplingRow,
     apply_penalties,
     compute_prompt_logprobs,
+    greedy,
 )
 from llmserve.sampling_params import SamplingParams
 
@@ -258,3 +259,14 @@ def test_compute_prompt_logprobs_matches_reference():
     only_targets = compute_prompt_logprobs(logits, targets, num_logprobs=0)
     assert [list(entry) for entry in only_targets] == [[t] for t in targets]
     assert not math.isnan(sum(v for e in only_targets for v in e.values()))
+
+
+def test_greedy_takes_the_first_of_tied_maxima_as_argmax():
+    logits = torch.randn(6, 1000)
+    logits[:, ::5] = logits[:, ::5].round()  # many equal values
+    logits[0, [3, 700]] = 50.0  # a tie at the maximum: the first index wins
+    logits[1, [999, 2]] = 50.0
+    for dtype in (torch.float32, torch.bfloat16):
+        x = logits.to(dtype)
+        assert torch.equal(greedy(x), x.argmax(dim=-1))
+    assert greedy(logits)[:2].tolist() == [3, 2]
