@@ -33,7 +33,7 @@ from llmserve.engine.block_manager import BlockManager
 from llmserve.engine.scheduler_output import SampledSeq, ScheduledSeq, SchedulerOutput
 from llmserve.engine.sequence import FinishReason, Request, Sequence, SequenceStatus
 from llmserve.spec_decode.config import SpeculativeConfig
-from llmserve.spec_decode.ngram import propose_ngram
+from llmserve.spec_decode.scheduling import SpeculativeScheduling
 from llmserve.spec_decode.stats import SpecDecodeStats
 
 
@@ -50,6 +50,9 @@ class Scheduler:
         self.block_manager = block_manager
         self.speculative = speculative
         self.spec_stats = SpecDecodeStats()
+        self.spec = None  # drafts for decodes, and the rollback after verification
+        if speculative is not None:
+            self.spec = SpeculativeScheduling(speculative, block_manager, self.spec_stats)
         self.waiting: list[Sequence] = []  # sorted by self._key
         self.running: list[Sequence] = []  # sorted by self._key
         self.requests: dict[str, Request] = {}
@@ -99,7 +102,7 @@ class Scheduler:
             if seq.is_finished:  # aborted while the step ran
                 continue
             if item.num_spec_tokens:
-                sampled.extend(self._accept(item, samples[seq.seq_id]))
+                sampled.extend(self.spec.accept(item, samples[seq.seq_id]))
                 continue
             seq.num_computed_tokens += item.num_tokens
             self.block_manager.cache_full_blocks(seq)
@@ -117,23 +120,6 @@ class Scheduler:
                 sampled.append(SampledSeq(target, token_id, logprobs, target.num_output_tokens))
         for stepped in beam_groups.values():
             sampled.extend(self._beam_step(stepped, samples, eos_token_id))
-        return sampled
-
-    def _accept(self, item: ScheduledSeq, tokens: list[tuple[int, Any]]) -> list[SampledSeq]:
-        """A verified decode: the accepted drafts and the target's token join the sequence;
-        only they count as computed, and blocks holding rejected slots go back."""
-        seq, num_drafted, num_accepted = item.seq, item.num_spec_tokens, len(tokens) - 1
-        start = seq.num_computed_tokens
-        seq.num_computed_tokens = start + 1 + num_accepted
-        if self.speculative.uses_draft_model:  # its KV holds the last token and accepted drafts
-            seq.draft_num_computed_tokens = start + 1 + min(num_accepted, num_drafted - 1)
-        self.block_manager.trim(seq)
-        self.block_manager.cache_full_blocks(seq)
-        self.spec_stats.record(num_drafted, num_accepted)
-        sampled = []
-        for token_id, logprobs in tokens:
-            seq.token_ids.append(token_id)
-            sampled.append(SampledSeq(seq, token_id, logprobs, seq.num_output_tokens))
         return sampled
 
     def _beam_step(
@@ -173,8 +159,8 @@ class Scheduler:
         self.block_manager.free(child)
         self._copy_progress(child, parent)
         if child.status is not SequenceStatus.RUNNING:
-            child.status, child.finish_reason = SequenceStatus.RUNNING, None
-            self._insert(self.running, child)
+            child.finish_reason = None
+            self._start_running(child)
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """End one sequence and free its blocks."""
@@ -202,13 +188,13 @@ class Scheduler:
     # ---- running ------------------------------------------------------------------------
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         scheduled: set[int] = set()
-        speculate = self._speculation_pays()
+        speculate = self.spec is not None and self.spec.pays(self.running)
         for seq in list(self.running):
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted in this loop
                 continue
-            if speculate and self._schedule_speculative(seq, budget, out):
+            if speculate and self.spec.schedule(seq, budget, out):
                 scheduled.add(seq.seq_id)
                 budget -= out.scheduled[-1].num_tokens
                 continue
@@ -220,40 +206,6 @@ class Scheduler:
             scheduled.add(seq.seq_id)
             budget -= num_tokens
         return budget
-
-    # ---- speculative decoding -------------------------------------------------------------
-    def _speculation_pays(self) -> bool:
-        """Large batches are compute-bound: verifying rejected drafts would cost real time."""
-        spec = self.speculative
-        if spec is None:
-            return False
-        num_decodes = sum(1 for s in self.running if s.num_uncomputed_tokens == 1)
-        return num_decodes <= spec.disable_by_batch_size
-
-    def _schedule_speculative(self, seq: Sequence, budget: int, out: SchedulerOutput) -> bool:
-        """Schedule ``seq``'s decode with K drafts, if it can take any and they fit now."""
-        request = seq.request
-        if (
-            seq.num_uncomputed_tokens != 1
-            or self._num_samples(seq, 1) != 1
-            or request.params.use_beam_search
-            or seq.grammar is not None  # drafts would need the grammar's rollback
-        ):
-            return False
-        spec = self.speculative
-        # Never draft past max_tokens (which the engine capped at the context's end).
-        k = min(
-            spec.num_speculative_tokens, request.max_tokens - seq.num_output_tokens - 1, budget - 1
-        )
-        drafts = None
-        if k > 0 and spec.method == "ngram":
-            drafts = propose_ngram(seq.token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
-            k = len(drafts)
-        if k < 1 or not self.block_manager.can_allocate(seq, 1 + k):
-            return False  # a plain decode instead (which may preempt to make room)
-        self.block_manager.allocate(seq, 1 + k)
-        out.scheduled.append(ScheduledSeq(seq, 1 + k, 1, num_spec_tokens=k, spec_token_ids=drafts))
-        return True
 
     def _make_room(
         self, seq: Sequence, num_tokens: int, scheduled: set[int], out: SchedulerOutput
@@ -325,8 +277,7 @@ class Scheduler:
             return 0
         self.waiting.remove(seq)
         self.block_manager.allocate(seq, num_tokens)
-        seq.status = SequenceStatus.RUNNING
-        self._insert(self.running, seq)
+        self._start_running(seq)
         if seq.request.metrics.first_scheduled_time is None:
             seq.request.metrics.first_scheduled_time = time.monotonic()
         return num_tokens
@@ -338,8 +289,7 @@ class Scheduler:
             return 0
         self.waiting.remove(seq)
         self.block_manager.swap_in(seq, num_tokens)
-        seq.status = SequenceStatus.RUNNING
-        self._insert(self.running, seq)
+        self._start_running(seq)
         return num_tokens
 
     def count_admittable(self, budget: int) -> int:
@@ -378,8 +328,7 @@ class Scheduler:
         request = parent.request
         for child in request.seqs[1:]:
             self._copy_progress(child, parent)
-            child.status = SequenceStatus.RUNNING
-            self._insert(self.running, child)
+            self._start_running(child)
         request.is_forked = True
         return request.seqs
 
@@ -396,6 +345,10 @@ class Scheduler:
         if self.config.scheduling_policy == "priority":
             return (request.priority, request.arrival_time, seq.seq_id)
         return (request.arrival_time, seq.seq_id)
+
+    def _start_running(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.RUNNING
+        self._insert(self.running, seq)
 
     def _insert(self, queue: list[Sequence], seq: Sequence) -> None:
         bisect.insort(queue, seq, key=self._key)

@@ -16,6 +16,6 @@ for each speculating sequence:
                   blocks past them (engine/block_manager.py ``trim``): rejected slots are
                   overwritten later and never reach the prefix cache
 
-config.py parses ``speculative_config`` (vLLM's spelling) and is torch-free, as is ngram.py,
-so the scheduler can propose n-gram drafts itself.
+config.py parses ``speculative_config`` (vLLM's spelling) and is torch-free, as are ngram.py
+and scheduling.py (the scheduler's side: when to draft, n-gram drafts, the rollback).
 """

@@ -246,8 +246,9 @@ inline float exp_and_sum(float* s, int64_t n, float mx) {
 }
 
 // ask for the cache lines of [p, p + bytes) ahead of their use; Locality is
-// __builtin_prefetch's: 3 = prefetcht0 (into L1), 1 = prefetcht2 (into L2), 0 = prefetchnta. On x86 through inline
-// asm: GCC deletes a loop of nothing but __builtin_prefetch as free of side effects.
+// __builtin_prefetch's: 3 = prefetcht0 (into L1), 1 = prefetcht2 (into L2), 0 = prefetchnta.
+// On x86 through inline asm: GCC deletes a loop of nothing but __builtin_prefetch as free of
+// side effects.
 template <int Locality>
 inline void prefetch(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
@@ -386,9 +387,9 @@ void attend_chunk(const Shape& sh, const T* k_cache, const T* v_cache, const int
   // Prompt rows re-read their sequence's blocks item after item: a context that fits the
   // caches is not asked for (the asking cost 5% of the prompt attention at 256 tokens).
   const bool ask = limits == nullptr || (t1 - t0) * row_bytes * 2 > kCachedContextBytes;
+  const bool amd = ::llmserve::cpu_is_amd();
   auto ask_ahead = [&](const T* pool, int64_t b0) {
     if (!ask) return;
-    const bool amd = ::llmserve::cpu_is_amd();
     if (amd && b0 + bs < t1) prefetch<3>(pool + table[b0 / bs + 1] * bs * sh.row, std::min(bs, t1 - b0 - bs) * row_bytes);
     if (b0 + 2 * bs >= t1) return;
     const T* two_ahead = pool + table[b0 / bs + 2] * bs * sh.row;
