@@ -2,7 +2,8 @@
 against ``F.linear`` in float64, and ``PackedLinear`` choosing it in a model.
 
 The shapes cover the kernel's edges: rows fewer than, equal to and past a register tile (8
-with AVX-512, 4 with AVX2) and past a row block (256), columns that do not fill the last
+with AVX-512, 4 with AVX2; every remainder, which takes a tile of its own height) and past a
+row block (256), columns that do not fill the last
 48-column panel, K shorter than, equal to and past a slice (128), with and without bias.
 """
 
@@ -23,7 +24,11 @@ pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ comp
 
 SHAPES = [  # (M, K, N)
     (1, 1, 1),
+    (2, 20, 48),
     (3, 5, 7),
+    (5, 33, 50),
+    (6, 40, 96),
+    (7, 64, 49),
     (8, 128, 48),
     (9, 129, 50),
     (64, 300, 96),
