@@ -51,6 +51,24 @@ def test_linear_f32_matches_float64(isa, m, k, n, with_bias):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * (k**0.5))
 
 
+@pytest.mark.parametrize("threads", [1, 3])  # 3: more threads than the CI host's cores
+@pytest.mark.parametrize("m", [64, 300])  # one pass over the weight; blocks of 256 rows
+def test_linear_f32_computes_every_panel_at_any_thread_count(m, threads):
+    """Panels are handed out in chunks that threads take as they come free (parallel.h): with
+    one thread, and with more threads than cores, no output column is left out."""
+    gen = torch.Generator().manual_seed(m + threads)
+    x, w = torch.randn(m, 200, generator=gen), torch.randn(500, 200, generator=gen)
+    packed = cpu_kernels.linear_f32_pack(w)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = cpu_kernels.linear_f32(x, packed, 500)
+    finally:
+        torch.set_num_threads(old)
+    want = F.linear(x.double(), w.double()).float()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * (200**0.5))
+
+
 def test_linear_f32_keeps_leading_dims_and_reads_strided_x(isa):
     x = torch.randn(2, 3, 40)[:, :, ::2]  # [2, 3, 20], not contiguous
     w = torch.randn(33, 20)

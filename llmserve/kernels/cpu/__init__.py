@@ -12,8 +12,10 @@
                           load, streamed front to back (body: gemm_impl.h)
 
 All take float32 or bfloat16 tensors (bf16 is widened to fp32 in registers, accumulated in
-fp32, rounded once when stored) and are threaded with torch's intra-op pool. The library is
-built for the baseline x86-64 target; every body is compiled for AVX-512, AVX2 and plain C++
+fp32, rounded once when stored) and are threaded with torch's intra-op pool; the GEMM and the
+attention hand out their work in chunks that threads take as they come free (parallel.h), so
+a thread the OS preempts does not hold the others at the barrier. The library is built for
+the baseline x86-64 target; every body is compiled for AVX-512, AVX2 and plain C++
 (isa.h, vec.h) and the path is chosen at run time: the best this CPU runs, or the one named by
 ``LLMSERVE_CPU_ISA`` (``avx512_bf16``, ``avx512``, ``avx2``, ``scalar``) or ``set_isa`` (tests
 force each one); ``avx512_bf16`` is the AVX-512 code plus vdpbf16ps for bf16 attention scores.
@@ -48,6 +50,7 @@ LIBRARY = NativeLibrary(
         for n in (
             "vec.h",
             "isa.h",
+            "parallel.h",
             "per_isa.h",
             "paged_attention_impl.h",
             "fused_impl.h",

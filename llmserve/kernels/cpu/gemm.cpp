@@ -24,12 +24,14 @@
 #include <cstdint>
 
 #include "isa.h"
+#include "parallel.h"
 #include "vec.h"
 
 namespace {
 constexpr int64_t kPanel = 48;      // output columns per packed panel (3 x 16 = 6 x 8 lanes)
 constexpr int64_t kSlice = 128;     // k per slice: one panel's slice is 24 KB, L1-resident
 constexpr int64_t kRowBlock = 256;  // rows of x per pass over the weight
+constexpr int64_t kChunksPerThread = 4;  // panel chunks per thread, taken as threads come free
 }  // namespace
 
 #define LLMSERVE_ISA_IMPL "gemm_impl.h"

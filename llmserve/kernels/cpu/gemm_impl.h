@@ -140,21 +140,23 @@ inline void gemm_panels_outer(const float* x, int64_t K, const float* packed, in
   }
 }
 
-// Up to kRowBlock rows (decode steps): one pass over the weight, slice by slice, each thread
-// taking a range of panels. More rows (prompt chunks): blocks of kRowBlock rows, one parallel
-// region each, panel by panel (gemm_panels_outer), where the multiply, not the weight's
-// loads, is what costs.
+// Up to kRowBlock rows (decode steps): one pass over the weight, slice by slice over a chunk
+// of panels at a time, the chunks taken by the threads as they come free (parallel.h). More
+// rows (prompt chunks): blocks of kRowBlock rows, one parallel region each, panel by panel
+// (gemm_panels_outer), where the multiply, not the weight's loads, is what costs.
 inline void linear_f32(const float* x, int64_t M, int64_t K, const float* packed,
                        int64_t num_panels, const float* bias, float* y, int64_t ldy) {
+  const int64_t grain = ::llmserve::grain_for(num_panels, kChunksPerThread);
+  auto no_state = [] { return 0; };
   if (M <= kRowBlock) {
-    at::parallel_for(0, num_panels, 1, [&](int64_t pb, int64_t pe) {
+    ::llmserve::parallel_take(num_panels, grain, no_state, [&](int, int64_t pb, int64_t pe) {
       gemm_panels(x, K, packed, num_panels, y, ldy, bias, 0, M, pb, pe);
     });
     return;
   }
   for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
     const int64_t m1 = std::min(M, m0 + kRowBlock);
-    at::parallel_for(0, num_panels, 1, [&](int64_t pb, int64_t pe) {
+    ::llmserve::parallel_take(num_panels, grain, no_state, [&](int, int64_t pb, int64_t pe) {
       gemm_panels_outer(x, K, packed, num_panels, y, ldy, bias, m0, m1, pb, pe);
     });
   }

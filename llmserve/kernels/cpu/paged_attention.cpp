@@ -20,9 +20,10 @@
 //   acc_h = acc_h e^(m_h - m_h') + sum_i e^(s[h][i] - m_h') v_i
 // One chunk: out_h = acc_h / l_h. Several: each writes (m, l, acc) and a reduction rescales
 // them to the common maximum M:  out_h = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c.
-// Items are spread over torch's intra-op threads with at::parallel_for; at batch sizes that
-// give every thread a few sequences, one item is one sequence with all its heads, so a block
-// of K (all KV heads, contiguous) is streamed from memory once.
+// Items are taken by torch's intra-op threads as they come free (parallel.h: a preempted
+// thread does not hold the others back); at batch sizes that give every thread a few
+// sequences, one item is one sequence with all its heads, so a block of K (all KV heads,
+// contiguous) is streamed from memory once.
 //
 // paged_attention takes any step (prompt chunks and decodes): an item is up to 4 query rows
 // of one sequence, attended as one sequence whose heads are those rows' heads, each row seeing
@@ -43,6 +44,7 @@
 #include <vector>
 
 #include "isa.h"
+#include "parallel.h"
 #include "vec.h"
 
 namespace llmserve {

@@ -448,14 +448,14 @@ inline void store_scaled(T* out, const float* acc, float inv, int64_t D) {
   for (; d < D; ++d) put_f32(out + d, acc[d] * inv);
 }
 
-// One work item per sequence: out_h = acc_h / l_h directly.
+// One work item per sequence, taken by the threads as they come free: out_h = acc_h / l_h.
 template <typename T>
 void attend_per_sequence(const Batch& b) {
   const int64_t H = b.sh.num_heads, D = b.sh.head_dim;
   const T* q = static_cast<const T*>(b.q);
   T* out = static_cast<T*>(b.out);
-  at::parallel_for(0, b.num_seqs, 1, [&](int64_t begin, int64_t end) {
-    Scratch w(b.sh);
+  auto scratch = [&] { return Scratch(b.sh); };
+  ::llmserve::parallel_take(b.num_seqs, 1, scratch, [&](Scratch& w, int64_t begin, int64_t end) {
     for (int64_t s = begin; s < end; ++s) {
       scaled_query(b.sh, q + s * H * D, w);
       attend_chunk(b.sh, static_cast<const T*>(b.k_cache),
@@ -477,8 +477,8 @@ void attend_split(const Batch& b, int64_t chunks) {
   const int64_t items = b.num_seqs * chunks;
   const T* q = static_cast<const T*>(b.q);
   std::vector<float> part_acc(items * H * D), part_m(items * H), part_l(items * H);
-  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-    Scratch w(b.sh);
+  auto scratch = [&] { return Scratch(b.sh); };
+  ::llmserve::parallel_take(items, 1, scratch, [&](Scratch& w, int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / chunks, c = item % chunks, len = b.lens[s];
       const int64_t per = ((len + bs - 1) / bs + chunks - 1) / chunks;  // blocks per chunk
@@ -542,14 +542,22 @@ void attend_varlen(const Batch& b, const int32_t* query_start) {
                    [](const Item& a, const Item& c) { return a.cost > c.cost; });
   const T* q = static_cast<const T*>(b.q);
   T* out = static_cast<T*>(b.out);
-  std::atomic<int64_t> next{0};
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), items.size());
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+  struct State {
+    Shape vs;  // the virtual sequence of an item's rows
+    Scratch w;
+    std::vector<int64_t> limits;
+  };
+  auto state = [&] {
     Shape vs = b.sh;
     vs.num_heads = H * kRows, vs.group = G * kRows;
-    Scratch w(vs);
-    std::vector<int64_t> limits(H * kRows);
-    for (int64_t it = next++; it < int64_t(items.size()); it = next++) {
+    return State{vs, Scratch(vs), std::vector<int64_t>(H * kRows)};
+  };
+  const int64_t n = items.size();
+  ::llmserve::parallel_take(n, 1, state, [&](State& st, int64_t begin, int64_t end) {
+    Shape& vs = st.vs;
+    Scratch& w = st.w;
+    std::vector<int64_t>& limits = st.limits;
+    for (int64_t it = begin; it < end; ++it) {
       const Item& item = items[it];
       const int64_t row = query_start[item.seq] + item.row0;  // the item's first row of q
       const int64_t first = b.lens[item.seq] - (query_start[item.seq + 1] - query_start[item.seq]);

@@ -1,0 +1,40 @@
+// Work spread over torch's intra-op threads by taking, not by dealing.
+//
+// at::parallel_for deals [0, n) out in equal parts up front. On a machine whose cores the
+// kernels share (the server's HTTP thread, a benchmark client, the OS), a thread that is
+// preempted holds the whole parallel region back: every other thread finishes its part and
+// waits at the barrier. parallel_take hands out chunks of ``grain`` items from an atomic
+// counter instead, so the threads that run take the preempted one's remaining chunks.
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+
+namespace llmserve {
+
+// f(begin, end) for chunks [begin, end) of [0, n), at most grain items each; ``make_state()``
+// builds each thread's scratch once, passed to f as its first argument.
+template <typename MakeState, typename F>
+inline void parallel_take(int64_t n, int64_t grain, const MakeState& make_state, const F& f) {
+  if (n <= 0) return;
+  grain = std::max<int64_t>(grain, 1);
+  const int64_t chunks = (n + grain - 1) / grain;
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), chunks);
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    auto state = make_state();
+    for (int64_t c = next++; c < chunks; c = next++) {
+      f(state, c * grain, std::min(n, (c + 1) * grain));
+    }
+  });
+}
+
+// the grain that gives each of torch's threads about ``per_thread`` chunks of [0, n)
+inline int64_t grain_for(int64_t n, int64_t per_thread) {
+  return std::max<int64_t>(1, n / (std::max<int64_t>(at::get_num_threads(), 1) * per_thread));
+}
+
+}  // namespace llmserve
