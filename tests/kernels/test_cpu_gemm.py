@@ -3,8 +3,8 @@ against ``F.linear`` in float64, and ``PackedLinear`` choosing it in a model.
 
 The shapes cover the kernel's edges: rows fewer than, equal to and past a register tile (8
 with AVX-512, 4 with AVX2; every remainder, which takes a tile of its own height) and past a
-row block (256), columns that do not fill the last
-48-column panel, K shorter than, equal to and past a slice (128), with and without bias.
+row block (256), columns that do not fill the last 48-column panel, K shorter than, equal to
+and past a slice (128), with and without bias.
 """
 
 from __future__ import annotations

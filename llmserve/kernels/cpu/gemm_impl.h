@@ -147,16 +147,15 @@ inline void gemm_panels_outer(const float* x, int64_t K, const float* packed, in
 inline void linear_f32(const float* x, int64_t M, int64_t K, const float* packed,
                        int64_t num_panels, const float* bias, float* y, int64_t ldy) {
   const int64_t grain = ::llmserve::grain_for(num_panels, kChunksPerThread);
-  auto no_state = [] { return 0; };
   if (M <= kRowBlock) {
-    ::llmserve::parallel_take(num_panels, grain, no_state, [&](int, int64_t pb, int64_t pe) {
+    ::llmserve::parallel_take(num_panels, grain, [&](int64_t pb, int64_t pe) {
       gemm_panels(x, K, packed, num_panels, y, ldy, bias, 0, M, pb, pe);
     });
     return;
   }
   for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
     const int64_t m1 = std::min(M, m0 + kRowBlock);
-    ::llmserve::parallel_take(num_panels, grain, no_state, [&](int, int64_t pb, int64_t pe) {
+    ::llmserve::parallel_take(num_panels, grain, [&](int64_t pb, int64_t pe) {
       gemm_panels_outer(x, K, packed, num_panels, y, ldy, bias, m0, m1, pb, pe);
     });
   }

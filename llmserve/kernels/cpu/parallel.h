@@ -15,8 +15,8 @@
 
 namespace llmserve {
 
-// f(begin, end) for chunks [begin, end) of [0, n), at most grain items each; ``make_state()``
-// builds each thread's scratch once, passed to f as its first argument.
+// f(state, begin, end) for chunks [begin, end) of [0, n), at most grain items each, where
+// ``state = make_state()`` is built once per thread (its scratch)
 template <typename MakeState, typename F>
 inline void parallel_take(int64_t n, int64_t grain, const MakeState& make_state, const F& f) {
   if (n <= 0) return;
@@ -30,6 +30,12 @@ inline void parallel_take(int64_t n, int64_t grain, const MakeState& make_state,
       f(state, c * grain, std::min(n, (c + 1) * grain));
     }
   });
+}
+
+// f(begin, end) for chunks of [0, n): the same, with no per-thread state
+template <typename F>
+inline void parallel_take(int64_t n, int64_t grain, const F& f) {
+  parallel_take(n, grain, [] { return 0; }, [&](int, int64_t b, int64_t e) { f(b, e); });
 }
 
 // the grain that gives each of torch's threads about ``per_thread`` chunks of [0, n)
