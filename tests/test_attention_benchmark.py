@@ -25,3 +25,34 @@ def test_cpu_mode_writes_json(tmp_path, capsys):
         assert row["paged_path"] == "cpp" and row["paged_cpp_ms"] == row["paged_ms"]
         assert row["max_abs_diff"] < 1e-4  # every path attends over the same K/V
     assert "paged (C++ kernel; torch gathered tiles) vs SDPA" in capsys.readouterr().out
+
+
+def test_decode_attention_times_both_page_sizes_on_every_layout(capsys):
+    """``python -m llmserve.benchmarks.decode_attention``: one row per (layout, pages) with the
+    bytes it read per second; the huge-page pools hold the same values as the plain ones."""
+    import mmap
+
+    import torch
+
+    from llmserve.benchmarks import decode_attention
+    from llmserve.runner import kv_cache
+
+    shape = (9, 3, 64)  # 64 x 48 tokens: pools of 200 blocks, 2.3 MiB, past one huge page
+    for transposed in (False, True):
+        plain = decode_attention.make_batch(64, 48, 16, torch.float32, shape, 0, transposed, False)
+        huge = decode_attention.make_batch(64, 48, 16, torch.float32, shape, 0, transposed, True)
+        if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux: K's stored layout and V, page-aligned
+            assert huge[1].data_ptr() % kv_cache.HUGE_PAGE == 0
+            assert huge[2].data_ptr() % kv_cache.HUGE_PAGE == 0
+        for a, b in zip(plain, huge):
+            assert a.shape == b.shape and a.stride() == b.stride() and torch.equal(a, b)
+    argv = ["--batch", "2", "--contexts", "40", "--dtypes", "float32", "--block-sizes", "16"]
+    rows = decode_attention.main([*argv, "--rounds", "1", "--layers", "2", "--isas", "scalar"])
+    assert sorted((r["k_layout"], r["pages"]) for r in rows) == [
+        ("tokens", "4k"),
+        ("tokens", "huge"),
+        ("transposed", "4k"),
+        ("transposed", "huge"),
+    ]
+    assert all(r["gbs"] > 0 and r["ms_per_layer"] > 0 for r in rows)
+    assert "pages" in capsys.readouterr().out

@@ -8,6 +8,8 @@ last-level cache, so K/V come from memory; one layer called repeatedly would be 
 cache and overstate the rate). Each configuration is timed in turn, round after round, so
 load from other processes hits them alike (medians reported). Compare the GB/s with the
 machine's streaming read rate: decode attention is memory-bound once the kernel keeps up.
+``--pages huge`` allocates the pools as the engine does (``kv_cache.zeros``: transparent huge
+pages where Linux gives them), ``4k`` as plain tensors, to show what the TLB costs.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 
 from llmserve.benchmarks.report import format_table
 from llmserve.kernels import cpu as cpu_kernels
-from llmserve.runner.kv_cache import transposed_keys
+from llmserve.runner import kv_cache
 
 
 def make_batch(
@@ -32,9 +34,11 @@ def make_batch(
     shape,
     seed: int,
     keys_transposed: bool = False,
+    huge_pages: bool = True,
 ):
     """q, caches, shuffled block tables and lengths of a decode batch (every context C);
-    ``keys_transposed``: K stored as the cpp backend stores it (``kv_cache.allocate``)."""
+    ``keys_transposed``: K stored as the cpp backend stores it (``kv_cache.allocate``);
+    ``huge_pages``: the pools allocated as the engine allocates them (``kv_cache.zeros``)."""
     num_heads, num_kv_heads, head_dim = shape
     gen = torch.Generator().manual_seed(seed)
     blocks = -(-context // block_size)
@@ -43,7 +47,13 @@ def make_batch(
     k_cache = torch.randn(cache_shape, generator=gen).to(dtype)
     v_cache = torch.randn(cache_shape, generator=gen).to(dtype)
     if keys_transposed:
-        k_cache = transposed_keys(k_cache)
+        k_cache = kv_cache.transposed_keys(k_cache)
+    if huge_pages:
+        cpu = torch.device("cpu")
+        v_cache = kv_cache.zeros(cache_shape, dtype, cpu).copy_(v_cache)
+        stored = k_cache.permute(0, 2, 3, 1) if keys_transposed else k_cache  # as laid out
+        k_cache = kv_cache.zeros(stored.shape, dtype, cpu).copy_(stored)
+        k_cache = k_cache.permute(0, 3, 1, 2) if keys_transposed else k_cache
     tables = torch.randperm(pool, generator=gen)[: batch * blocks].view(batch, blocks).int()
     q = torch.randn(batch, num_heads, head_dim, generator=gen).to(dtype)  # [B, H, D]
     seq_lens = torch.full((batch,), context, dtype=torch.int32)
@@ -56,10 +66,13 @@ def measure(args: argparse.Namespace) -> list[dict]:
     for context in args.contexts:
         for dtype_name in args.dtypes:
             dtype = getattr(torch, dtype_name)
-            for block_size, layout in itertools.product(args.block_sizes, args.k_layouts):
-                transposed = layout == "transposed"
+            configs = itertools.product(args.block_sizes, args.k_layouts, args.pages)
+            for block_size, layout, pages in configs:
+                transposed, huge = layout == "transposed", pages == "huge"
                 layers = [
-                    make_batch(args.batch, context, block_size, dtype, shape, seed, transposed)
+                    make_batch(
+                        args.batch, context, block_size, dtype, shape, seed, transposed, huge
+                    )
                     for seed in range(args.layers)
                 ]
                 out = torch.empty_like(layers[0][0])
@@ -68,7 +81,8 @@ def measure(args: argparse.Namespace) -> list[dict]:
                     2 * args.layers * args.batch * context * shape[1] * shape[2] * dtype.itemsize
                 )
                 for isa in args.isas:
-                    fns[(context, dtype_name, block_size, layout, isa)] = (layers, out, kv_bytes)
+                    key = (context, dtype_name, block_size, layout, pages, isa)
+                    fns[key] = (layers, out, kv_bytes)
     times: dict = {key: [] for key in fns}
     for _ in range(args.rounds):
         for key, (layers, out, _) in fns.items():
@@ -79,9 +93,9 @@ def measure(args: argparse.Namespace) -> list[dict]:
                 times[key].append(time.perf_counter() - start)
     for key, (_, _, nbytes) in fns.items():
         seconds = statistics.median(times[key])
-        context, dtype_name, block_size, layout, isa = key
+        context, dtype_name, block_size, layout, pages, isa = key
         rows.append({"context": context, "dtype": dtype_name, "block_size": block_size,
-                     "k_layout": layout, "isa": isa, "ms_per_layer": seconds * 1e3 / args.layers,
+                     "k_layout": layout, "pages": pages, "isa": isa, "ms_per_layer": seconds * 1e3 / args.layers,
                      "gbs": nbytes / seconds / 1e9})  # fmt: skip
     return rows
 
@@ -100,6 +114,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
         help="K blocks as the cpp backend stores them ([kv_heads, head_dim, block_size]) "
         "and/or token-major ([block_size, kv_heads, head_dim])",
     )
+    p.add_argument(
+        "--pages",
+        nargs="+",
+        default=["huge", "4k"],
+        choices=["huge", "4k"],
+        help="pools on transparent huge pages as the engine allocates them, and/or plain",
+    )
     p.add_argument("--isas", nargs="+", default=None, help="default: every path this CPU runs")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--layers", type=int, default=8, help="layers of separate K/V caches")
@@ -111,7 +132,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = measure(args)
     threads = torch.get_num_threads()
     print(f"paged decode attention, batch {args.batch}, {args.layers} layers, {threads} threads")
-    cols = ("context", "dtype", "block_size", "k_layout", "isa", "ms_per_layer", "gbs")
+    cols = ("context", "dtype", "block_size", "k_layout", "pages", "isa", "ms_per_layer", "gbs")
     print(format_table(cols, [[r[c] for c in cols] for r in rows]))
     return rows
 

@@ -7,6 +7,7 @@ here, not a skip (the engine would silently fall back to the slower torch path).
 from __future__ import annotations
 
 import shutil
+import sys
 
 import pytest
 import torch
@@ -109,6 +110,64 @@ def test_rotary_interleaved_matches_torch_path():
     torch.testing.assert_close(out, torch_rope.forward_interleaved(positions, qk))
     with pytest.raises(RuntimeError, match="position 600 outside 0..511"):
         cpu_kernels.rotary_interleaved(qk, torch.full((20,), 600), torch_rope.cis, head_dim)
+
+
+def _mapping_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping holding ``address`` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="madvise(MADV_HUGEPAGE) is Linux's"
+)
+def test_pools_past_a_huge_page_ask_for_huge_pages():
+    """A pool of 2 MiB or more sits 2 MiB-aligned in a mapping marked MADV_HUGEPAGE ("hg" in
+    its VmFlags), starts as zeros, and the Python writer and the C++ decode step use it as
+    they use a plain tensor; smaller pools stay plain tensors."""
+    from llmserve.layers.attention import write_kv
+    from llmserve.runner.kv_cache import HUGE_PAGE, KVCacheSpec, allocate
+
+    spec = KVCacheSpec(
+        num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.float32, block_size=16
+    )
+    blocks = HUGE_PAGE // (16 * 2 * 64 * 4) + 3  # just past 2 MiB per pool
+    cpu = torch.device("cpu")
+    for backend in (None, "cpp"):
+        pools = allocate(spec, blocks, cpu, backend)
+        for pool in (t for pair in pools for t in pair):
+            assert pool.shape == (blocks, 16, 2, 64) and pool.dtype == torch.float32
+            assert pool.data_ptr() % HUGE_PAGE == 0 and "hg" in _mapping_flags(pool.data_ptr())
+            assert not pool.any()
+        ((k, v), _) = pools
+        plain = [t.clone() for t in (k, v)]
+        slots = torch.tensor([0, 17, 18, 16 * blocks - 1])
+        new_k, new_v = torch.randn(4, 2, 64), torch.randn(4, 2, 64)
+        write_kv(new_k, new_v, k, v, slots)
+        write_kv(new_k, new_v, *plain, slots)
+        assert torch.equal(k, plain[0]) and torch.equal(v, plain[1])
+        assert torch.equal(k[blocks - 1, 15], new_k[3])
+        q = torch.randn(1, 4 * 64)
+        tables = torch.tensor([[1, 0]], dtype=torch.int32)
+        lens = torch.tensor([19], dtype=torch.int32)
+        step = torch.tensor([2])  # position 18: block 0 (the table's second), offset 2
+        k_step, v_step = torch.randn(1, 2 * 64), torch.randn(1, 2 * 64)
+        outs = [
+            cpu_kernels.decode_attention(q, k_step, v_step, kc, vc, step, tables, lens, 0.125)
+            for kc, vc in ((k, v), plain)
+        ]
+        torch.testing.assert_close(outs[0], outs[1])
+        assert torch.equal(k, plain[0]) and torch.equal(k[0, 2], k_step.view(2, 64))
+    ((small, _),) = allocate(KVCacheSpec(1, 2, 8, torch.float32, 4), 6, cpu)
+    assert "hg" not in _mapping_flags(small.data_ptr())
 
 
 def test_transposed_key_pool_reads_and_writes_like_the_plain_one():
