@@ -17,7 +17,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/extension.h>  // pybind11, for the direct bindings
+#include <torch/csrc/utils/pybind.h>  // pybind11 and its at::Tensor caster, for the direct bindings
 #include <torch/library.h>
 
 #include <algorithm>

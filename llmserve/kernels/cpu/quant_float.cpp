@@ -19,9 +19,9 @@
 // No -march: the hot loops are compiled for x86-64-v4 (AVX-512), v3 (AVX2+FMA) and the
 // baseline by GCC's target_clones, which picks one when the library loads.
 #include <ATen/Parallel.h>
-#include <torch/extension.h>  // pybind11, for the direct bindings
+#include <torch/csrc/utils/pybind.h>  // pybind11 and its at::Tensor caster, for the direct bindings
 #include <torch/library.h>
-#include <torch/torch.h>
+#include <ATen/ATen.h>
 
 #include <immintrin.h>
 
