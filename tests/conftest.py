@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# what llmserve derives from model files (tokenizers built from GGUF metadata) is cached for
+# this run and its subprocesses only: the tests' temporary files leave nothing in ~/.cache
+if "LLMSERVE_CACHE_ROOT" not in os.environ:
+    os.environ["LLMSERVE_CACHE_ROOT"] = tempfile.mkdtemp(prefix="llmserve-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["LLMSERVE_CACHE_ROOT"], ignore_errors=True)
 
 import pytest  # noqa: E402
 

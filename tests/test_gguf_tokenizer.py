@@ -54,11 +54,11 @@ def test_byte_level_bpe_from_metadata(name, tmp_path, smollm_vocabulary, smollm_
     path, _ = tiny_gguf(tmp_path, name, smollm_vocabulary)
     with pytest.raises(ValueError, match="not supported"):  # transformers builds none
         AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=os.path.basename(path))
-    ours = get_tokenizer(path)
-    assert_same_tokenizer(ours, smollm_reference)
-    assert ours.pad_token_id == smollm_vocabulary["padding_token_id"]
-    assert ours.chat_template == smollm_reference.chat_template
-    assert ours.encode("<|im_start|>") == [1]  # a control token stays whole
+    for ours in (get_tokenizer(path), get_tokenizer(path)):  # built, then from the cache
+        assert_same_tokenizer(ours, smollm_reference)
+        assert ours.pad_token_id == smollm_vocabulary["padding_token_id"]
+        assert ours.chat_template == smollm_reference.chat_template
+        assert ours.encode("<|im_start|>") == [1]  # a control token stays whole
 
 
 def test_sentencepiece_from_metadata(gemma_reference):
@@ -145,9 +145,36 @@ def test_bos_eos_flags_and_ids(tmp_path, smollm_vocabulary):
     vocabulary = {**smollm_vocabulary, "add_bos_token": True, "add_eos_token": True}
     vocabulary |= {"bos_token_id": 1, "eos_token_id": 2, "padding_token_id": 0}
     path, _ = tiny_gguf(tmp_path, "mpt", vocabulary)
-    ours = get_tokenizer(path)
-    ids = ours.encode("Hello world")
-    assert ids[0] == 1 and ids[-1] == 2 and len(ids) > 2
-    assert ours("a", "b")["input_ids"].count(1) == 2  # <bos> a <eos> <bos> b <eos>
-    assert (ours.pad_token, ours.unk_token) == ("<|endoftext|>", "<|endoftext|>")
-    assert ours.decode(ids, skip_special_tokens=True) == "Hello world"
+    for ours in (get_tokenizer(path), get_tokenizer(path)):  # built, then from the cache
+        ids = ours.encode("Hello world")
+        assert ids[0] == 1 and ids[-1] == 2 and len(ids) > 2
+        assert ours("a", "b")["input_ids"].count(1) == 2  # <bos> a <eos> <bos> b <eos>
+        assert (ours.pad_token, ours.unk_token) == ("<|endoftext|>", "<|endoftext|>")
+        assert ours.decode(ids, skip_special_tokens=True) == "Hello world"
+
+
+def test_tokenizers_are_cached_per_file(tmp_path, monkeypatch, smollm_vocabulary, smollm_reference):
+    """The first load builds and saves the tokenizer under the cache root; the next one reads
+    it without building; a damaged entry is rebuilt; a changed file has another entry."""
+    import llmserve.tokenizer as tokenizer_module
+
+    monkeypatch.setenv("LLMSERVE_CACHE_ROOT", str(tmp_path / "cache"))
+    path, _ = tiny_gguf(tmp_path, "gptj", smollm_vocabulary)
+    build = tokenizer_module._build_gguf_tokenizer
+    built = []
+    monkeypatch.setattr(
+        tokenizer_module, "_build_gguf_tokenizer", lambda *a: built.append(a) or build(*a)
+    )
+    first = get_tokenizer(path)
+    (entry,) = (tmp_path / "cache" / "tokenizers").iterdir()
+    assert (entry / "tokenizer.json").is_file() and len(built) == 1
+    second = get_tokenizer(path)
+    assert len(built) == 1  # read, not built
+    for ours in (first, second):
+        assert_same_tokenizer(ours, smollm_reference)
+    (entry / "tokenizer.json").write_text("{ not json")
+    assert_same_tokenizer(get_tokenizer(path), smollm_reference)
+    assert len(built) == 2 and (entry / "tokenizer.json").read_text().startswith("{\n")
+    assert tokenizer_module._cached_tokenizer_dir(path) == entry
+    os.utime(path, ns=(0, 0))  # another file at the same path
+    assert tokenizer_module._cached_tokenizer_dir(path) != entry
