@@ -102,14 +102,17 @@ def _gguf_tokenizer(resolved: ResolvedModel, trust_remote_code: bool) -> PreTrai
             logger.warning("tokenizer cache entry %s unreadable (%s); rebuilding it", entry, exc)
             shutil.rmtree(entry, ignore_errors=True)
     tokenizer = _build_gguf_tokenizer(resolved, trust_remote_code)
+    staging = None
     try:  # written beside the entry, then renamed into place: readers never see half of it
         entry.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=entry.parent) as staging:
-            tokenizer.save_pretrained(staging)
-            os.rename(staging, entry)
-            os.mkdir(staging)  # for TemporaryDirectory's clean-up
+        staging = tempfile.mkdtemp(dir=entry.parent, prefix=".staging-")
+        tokenizer.save_pretrained(staging)
+        os.rename(staging, entry)
     except OSError as exc:  # read-only home, or another process saved it first
         logger.debug("tokenizer of %s not cached: %s", resolved.weights_path, exc)
+    finally:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
     return tokenizer
 
 
