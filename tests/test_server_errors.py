@@ -123,10 +123,13 @@ def test_prompt_that_cannot_fit_is_400_with_the_numbers(server):
 def test_budgets_beyond_the_context_stop_at_its_end(server):
     """As vLLM: max_tokens past the context ends at the context ("length"); min_tokens past
     max_tokens means no EOS at all."""
-    body = {"messages": CHAT, "max_tokens": 5000, "min_tokens": 5000, "temperature": 0}
-    # about 1,000 tokens at batch 1: over a minute on a slow 2-core AVX2 host
+    # a prompt of about 900 tokens, so the budget reaches the 1,024-token context after about
+    # a hundred generated ones (from "hi", a thousand at batch 1 took a minute on a slow host)
+    messages = [{"role": "user", "content": "hello " * 900}]
+    body = {"messages": messages, "max_tokens": 5000, "min_tokens": 5000, "temperature": 0}
     reply = post(server, _CHAT, body, timeout=httpx.Timeout(300.0)).json()
     assert reply["choices"][0]["finish_reason"] == "length"
+    assert 900 < reply["usage"]["prompt_tokens"] < 1000
     assert reply["usage"]["prompt_tokens"] + reply["usage"]["completion_tokens"] == 1024
     body = {"prompt": "hi", "min_tokens": 20, "max_tokens": 5}
     assert post(server, _COMPLETION, body).json()["usage"]["completion_tokens"] == 5
