@@ -148,10 +148,13 @@ def test_invalid_sampling_params_name_the_field(kwargs, field):
 
 
 def test_max_tokens_beyond_the_context_stops_at_its_end(llm):
-    """As vLLM: a prompt that fits runs; generation ends at max_model_len ("length")."""
-    prompt_len = len(llm.get_tokenizer().encode(SQL))
+    """As vLLM: a prompt that fits runs; generation ends at max_model_len ("length"). The
+    prompt fills most of the context, so a few dozen tokens reach its end."""
+    prompt = SQL + " word" * 420
+    prompt_len = len(llm.get_tokenizer().encode(prompt))
+    assert 400 < prompt_len < 500
     params = SamplingParams(max_tokens=5000, min_tokens=5000, ignore_eos=True)
-    (out,) = llm.generate([SQL], params, use_tqdm=False)
+    (out,) = llm.generate([prompt], params, use_tqdm=False)
     assert out.outputs[0].finish_reason == "length"
     assert len(out.outputs[0].token_ids) == 512 - prompt_len
     assert_no_leaks(llm)
