@@ -6,6 +6,7 @@ there (0.25 s) as long as the file is the same one: ``$LLMSERVE_CACHE_ROOT``, el
 ``$XDG_CACHE_HOME/llmserve``, else ``~/.cache/llmserve`` (``tokenizers/<key>``).
 """
 
+import functools
 import hashlib
 import logging
 import os
@@ -74,9 +75,19 @@ def cache_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llmserve"
 
 
+@functools.cache
+def _builder_digest() -> str:
+    """A digest of the code that builds GGUF tokenizers (this file and
+    ``loader/gguf_tokenizer.py``): a change to it invalidates every cache entry."""
+    from llmserve.loader import gguf_tokenizer
+
+    sources = (Path(__file__), Path(gguf_tokenizer.__file__))
+    return hashlib.sha256(b"".join(p.read_bytes() for p in sources)).hexdigest()
+
+
 def _cached_tokenizer_dir(weights_path: str) -> Path:
     """The cache entry of a GGUF file's tokenizer: keyed by the file (real path, size, time of
-    its last change) and the versions that built and read it."""
+    its last change), the versions of transformers and tokenizers, and the building code."""
     stat = os.stat(weights_path)
     ident = "|".join(
         str(x)
@@ -86,6 +97,7 @@ def _cached_tokenizer_dir(weights_path: str) -> Path:
             stat.st_mtime_ns,
             transformers.__version__,
             tokenizers.__version__,
+            _builder_digest(),
         )
     )
     return cache_root() / "tokenizers" / hashlib.sha256(ident.encode()).hexdigest()[:32]

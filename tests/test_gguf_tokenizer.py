@@ -155,7 +155,8 @@ def test_bos_eos_flags_and_ids(tmp_path, smollm_vocabulary):
 
 def test_tokenizers_are_cached_per_file(tmp_path, monkeypatch, smollm_vocabulary, smollm_reference):
     """The first load builds and saves the tokenizer under the cache root; the next one reads
-    it without building; a damaged entry is rebuilt; a changed file has another entry."""
+    it without building; a damaged entry is rebuilt; a changed file or a changed builder has
+    another entry."""
     import llmserve.tokenizer as tokenizer_module
 
     monkeypatch.setenv("LLMSERVE_CACHE_ROOT", str(tmp_path / "cache"))
@@ -175,6 +176,10 @@ def test_tokenizers_are_cached_per_file(tmp_path, monkeypatch, smollm_vocabulary
     (entry / "tokenizer.json").write_text("{ not json")
     assert_same_tokenizer(get_tokenizer(path), smollm_reference)
     assert len(built) == 2 and (entry / "tokenizer.json").read_text().startswith("{\n")
+    assert tokenizer_module._cached_tokenizer_dir(path) == entry
+    with monkeypatch.context() as patch:
+        patch.setattr(tokenizer_module, "_builder_digest", lambda: "other code")
+        assert tokenizer_module._cached_tokenizer_dir(path) != entry  # the builder changed
     assert tokenizer_module._cached_tokenizer_dir(path) == entry
     os.utime(path, ns=(0, 0))  # another file at the same path
     assert tokenizer_module._cached_tokenizer_dir(path) != entry

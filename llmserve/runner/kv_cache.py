@@ -75,7 +75,7 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
     (``python -m llmserve.benchmarks.decode_attention``, which times both: 0-3% on the AVX2
     Zen 3 host). The mapping is private and untouched pages cost nothing until written, as
     with ``torch.zeros``; the tensor holds the mapping and frees it with the last view."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if device.type != "cpu" or not hasattr(mmap, "MADV_HUGEPAGE") or nbytes < HUGE_PAGE:
         return torch.zeros(shape, dtype=dtype, device=device)
     region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
