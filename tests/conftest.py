@@ -31,19 +31,29 @@ NUM_TOKENS = 32
 
 
 @pytest.fixture(scope="session")
-def hf_greedy_reference() -> list[list[int]]:
-    """Greedy continuations from transformers on the same GGUF weights (fp32), each prompt alone."""
+def hf_default_model():
+    """transformers' own load of the default model's GGUF file, fp32: read once per run (about
+    20 s on a slow host) and shared by every test that compares with it; nothing mutates it."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from llmserve.loader import resolve_model
-    from llmserve.tokenizer import get_tokenizer
 
     resolved = resolve_model(None)
-    tokenizer = get_tokenizer(resolved)
-    model = AutoModelForCausalLM.from_pretrained(
+    return AutoModelForCausalLM.from_pretrained(
         resolved.path, gguf_file=resolved.gguf_file, dtype=torch.float32
     )
+
+
+@pytest.fixture(scope="session")
+def hf_greedy_reference(hf_default_model) -> list[list[int]]:
+    """Greedy continuations from transformers on the same GGUF weights (fp32), each prompt alone."""
+    import torch
+
+    from llmserve.tokenizer import get_tokenizer
+
+    tokenizer = get_tokenizer(None)
+    model = hf_default_model
     outputs = []
     for prompt in PROMPTS:
         ids = torch.tensor([tokenizer.encode(prompt)])

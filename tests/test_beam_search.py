@@ -20,16 +20,9 @@ def llm():
 
 
 @pytest.fixture(scope="module")
-def hf_beams(llm):
+def hf_beams(llm, hf_default_model):
     """transformers: generate(num_beams=4, num_return_sequences=4), EOS blocked for 8 tokens."""
-    from transformers import AutoModelForCausalLM
-
-    from llmserve.loader import resolve_model
-
-    resolved = resolve_model(None)
-    model = AutoModelForCausalLM.from_pretrained(
-        resolved.path, gguf_file=resolved.gguf_file, dtype=torch.float32
-    )
+    model = hf_default_model
     tokenizer = llm.get_tokenizer()
     results = []
     for prompt in PROMPTS:

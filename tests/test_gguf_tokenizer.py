@@ -52,8 +52,9 @@ def assert_same_tokenizer(ours, reference, same_size: bool = True) -> None:
 @pytest.mark.parametrize("name", GPT2_TYPE)
 def test_byte_level_bpe_from_metadata(name, tmp_path, smollm_vocabulary, smollm_reference):
     path, _ = tiny_gguf(tmp_path, name, smollm_vocabulary)
-    with pytest.raises(ValueError, match="not supported"):  # transformers builds none
-        AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=os.path.basename(path))
+    if name == GPT2_TYPE[0]:  # transformers builds none of them (one asked: 8 s per file)
+        with pytest.raises(ValueError, match="not supported"):
+            AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=os.path.basename(path))
     for ours in (get_tokenizer(path), get_tokenizer(path)):  # built, then from the cache
         assert_same_tokenizer(ours, smollm_reference)
         assert ours.pad_token_id == smollm_vocabulary["padding_token_id"]

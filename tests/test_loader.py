@@ -69,11 +69,9 @@ def default_model() -> ResolvedModel:
 
 
 @pytest.fixture(scope="module")
-def hf_reference(default_model: ResolvedModel) -> torch.nn.Module:
-    """transformers' own GGUF load of the default model (about 10 s, once per module)."""
-    return AutoModelForCausalLM.from_pretrained(
-        default_model.path, gguf_file=default_model.gguf_file, dtype=torch.float32
-    )
+def hf_reference(hf_default_model) -> torch.nn.Module:
+    """transformers' own GGUF load of the default model (conftest, once per run)."""
+    return hf_default_model
 
 
 def test_default_model_path() -> None:

@@ -15,12 +15,21 @@ Forward, per call, for ``x [T, K]``:
     y = (CA @ CB^T) * SCA[t] * SCB[n] / 127^2            int8 x int8 -> int32, then scaled
       + x[:, O] @ (CB[:, O] * SCB / 127)^T                the outlier columns, in floating point
       + bias
+
+On the CPU the int8 product and its scaling run in one call of llmserve's integer GEMM
+(``kernels/cpu/quant_gemm.cpp``: AVX-512 VNNI or AVX2, int32 dots per block of 32 columns,
+scaled in fp32), which is 4-5x faster than ``torch._int_mm`` on AVX2 CPUs; elsewhere, or
+without the kernels, ``torch._int_mm``.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
+
+from llmserve.quantization.layout import BLOCK, QuantizedWeight
 
 
 def quantize_rows(matrix: torch.Tensor, absmax: torch.Tensor) -> torch.Tensor:
@@ -35,6 +44,29 @@ def int8_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch._int_mm(a, b.t())
     except RuntimeError:  # shapes or devices _int_mm refuses (CUDA needs M > 16, K % 8 == 0)
         return (a.double() @ b.double().t()).to(torch.int32)
+
+
+def scaled_int8_matmul(
+    ca: torch.Tensor, sca: torch.Tensor, cb: torch.Tensor, scb: torch.Tensor
+) -> torch.Tensor:
+    """``(ca @ cb^T) * sca[t] * scb[n] / 127^2`` in fp32: int8 ``ca [T, K]``, ``cb [N, K]``."""
+    in_features = ca.shape[1]
+    if ca.device.type == "cpu" and in_features % BLOCK == 0 and _cpu_kernels_available():
+        from llmserve.kernels.cpu import quant
+
+        # one weight group of K columns (scale scb / 127); the activation scale per block
+        weight = QuantizedWeight(8, cb, (scb / 127.0).unsqueeze(1), None, in_features)
+        xs = (sca / 127.0).unsqueeze(1).expand(-1, in_features // BLOCK).contiguous()
+        return quant.quant_gemm(ca.contiguous(), xs, weight)
+    acc = int8_matmul(ca, cb)  # int32 [T, N]
+    return acc.float() * (sca.unsqueeze(1) * scb.unsqueeze(0)) * (1.0 / 127**2)
+
+
+@functools.cache
+def _cpu_kernels_available() -> bool:
+    from llmserve.kernels.cpu import quant
+
+    return quant.available()
 
 
 class LLMInt8Linear(nn.Module):
@@ -92,8 +124,7 @@ class LLMInt8Linear(nn.Module):
         if outliers is not None:
             cols = outliers.any(dim=0).nonzero().flatten()  # [num_outlier_cols]
             ca[:, cols] = 0
-        acc = int8_matmul(ca, self.CB)  # int32 [T, N]
-        out = acc.float() * (sca.unsqueeze(1) * self.SCB.unsqueeze(0)) * (1.0 / 127**2)
+        out = scaled_int8_matmul(ca, sca, self.CB, self.SCB)  # [T, N]
         if cols is not None and cols.numel():
             w_cols = self.CB[:, cols].float() * (self.SCB / 127.0).unsqueeze(1)  # [N, num_cols]
             out = out.addmm(x[:, cols], w_cols.t())

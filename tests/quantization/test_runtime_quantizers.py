@@ -20,7 +20,7 @@ from llmserve.quantization.bnb_4bit import (
 from llmserve.quantization.int8 import quantize_int8
 from llmserve.quantization.layout import reference_linear, unpack_int4
 from llmserve.quantization.linear import QuantLinear
-from llmserve.quantization.llm_int8 import LLMInt8Linear, int8_matmul
+from llmserve.quantization.llm_int8 import LLMInt8Linear, int8_matmul, scaled_int8_matmul
 from llmserve.quantization.loading import graph_capturable
 
 
@@ -242,6 +242,17 @@ def test_int8_matmul_is_exact():
     b = torch.randint(-127, 128, (9, 300), dtype=torch.int8)
     expected = (a.double() @ b.double().T).to(torch.int32)
     assert torch.equal(int8_matmul(a, b), expected)
+
+
+@pytest.mark.parametrize("k", [256, 300])  # the CPU kernel's blocks of 32; _int_mm otherwise
+def test_scaled_int8_matmul_equals_the_exact_product(k):
+    a = torch.randint(-127, 128, (7, k), dtype=torch.int8)
+    b = torch.randint(-127, 128, (40, k), dtype=torch.int8)
+    sa, sb = torch.rand(7) + 0.1, torch.rand(40) + 0.1
+    exact = (a.double() @ b.double().T) * sa.double()[:, None] * sb.double() / 127**2
+    got = scaled_int8_matmul(a, sa, b, sb)
+    assert got.dtype == torch.float32 and got.shape == (7, 40)
+    torch.testing.assert_close(got.double(), exact, rtol=1e-6, atol=1e-6)
 
 
 def test_llm_int8_outliers_keep_error_small():
