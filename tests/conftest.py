@@ -9,6 +9,10 @@ import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# tensor-parallel workers fork from one server that imported torch and transformers once
+# (5 s per engine otherwise, ~20 engines); tests/test_tensor_parallel.py also starts them the
+# users' default way, spawned
+os.environ.setdefault("LLMSERVE_WORKER_MULTIPROC_METHOD", "forkserver")
 # what llmserve derives from model files (tokenizers built from GGUF metadata) is cached for
 # this run and its subprocesses only: the tests' temporary files leave nothing in ~/.cache
 if "LLMSERVE_CACHE_ROOT" not in os.environ:

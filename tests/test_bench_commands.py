@@ -25,6 +25,17 @@ HEADLINE = ("request_throughput", "output_throughput", "total_token_throughput")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> list[str]:
+    """``--model`` of a tiny random Llama with its own tokenizer: the tools' runs, not a real
+    model's speed, are under test (the default model cost 3.6 s per engine load here)."""
+    from tests.quantization.tiny_llama import save_tiny_llama
+
+    path = str(tmp_path_factory.mktemp("tiny-llama"))
+    save_tiny_llama(path, max_position_embeddings=512)
+    return ["--model", path]
+
+
 @pytest.fixture(autouse=True)
 def one_torch_thread():
     """Two shared, busy cores: OpenMP threads spin against other processes' and crawl."""
@@ -47,9 +58,10 @@ def has_hf_continuous_batching() -> bool:
     return hasattr(PreTrainedModel, "init_continuous_batching")
 
 
-def test_throughput_llmserve_and_peers(tmp_path, capsys):
+def test_throughput_llmserve_and_peers(tmp_path, capsys, tiny_model):
     out = tmp_path / "throughput.json"
     argv = ["bench", "throughput", "--backend", "all", "--hf-batch-size", "2", *TINY, *SMALL_ENGINE]
+    argv += tiny_model
     ids_file = tmp_path / "prompt_ids.json"
     argv += ["--save-prompt-ids", str(ids_file)]
     assert main([*argv, "--num-prompts", "2", "--output-json", str(out)]) == 0
@@ -82,9 +94,9 @@ def test_throughput_llmserve_and_peers(tmp_path, capsys):
     assert "| backend | requests/s |" in markdown and "| llmserve |" in markdown
 
 
-def test_sweep_writes_json_and_plots(tmp_path, capsys):
+def test_sweep_writes_json_and_plots(tmp_path, capsys, tiny_model):
     out_dir = tmp_path / "sweep"
-    argv = ["bench", "sweep", *TINY, *SMALL_ENGINE, "--output-dir", str(out_dir)]
+    argv = ["bench", "sweep", *TINY, *SMALL_ENGINE, *tiny_model, "--output-dir", str(out_dir)]
     argv += [
         "--batch-sizes",
         "1,2",

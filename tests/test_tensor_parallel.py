@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from llmserve import LLM, SamplingParams
+from llmserve.distributed.executor import START_METHOD_ENV
 from llmserve.distributed.plan import make_plan
 from llmserve.distributed.weights import shard_weights
 from llmserve.sampling_params import BeamSearchParams
@@ -76,9 +77,17 @@ def _compare(
         gc.collect()
 
 
-def test_default_model_tp2_matches_tp1():
-    """9 heads / 3 KV heads over 2 ranks: an uneven 6/3 split by KV group."""
+def test_default_model_tp2_matches_tp1(monkeypatch):
+    """9 heads / 3 KV heads over 2 ranks: an uneven 6/3 split by KV group. The worker is
+    spawned, as by default (the other tests fork theirs from a forkserver: conftest)."""
+    monkeypatch.setenv(START_METHOD_ENV, "spawn")
     _compare(None, kv_cache_memory=48 << 20, max_model_len=256)
+
+
+def test_unknown_worker_start_method_is_refused(monkeypatch, odd_kv_model):
+    monkeypatch.setenv(START_METHOD_ENV, "fork")
+    with pytest.raises(ValueError, match="choose one of spawn, forkserver"):
+        LLM(odd_kv_model, tensor_parallel_size=2, max_model_len=64, kv_cache_memory=8 << 20)
 
 
 @pytest.fixture(scope="module")

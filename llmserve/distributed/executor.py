@@ -12,12 +12,21 @@
 The scheduler, the sampler and the outputs stay in rank 0; a step costs the workers one small
 message (token ids, positions, block tables, slots) per model call. Workers are spawned here
 (torch.multiprocessing) or, under torchrun, are the ranks > 0 of the same command.
+
+How local workers start, as vLLM's ``VLLM_WORKER_MULTIPROC_METHOD``:
+``LLMSERVE_WORKER_MULTIPROC_METHOD=spawn`` (the default: a fresh interpreter per worker, which
+imports torch and transformers again, about 5 s on a slow 2-core host) or ``forkserver`` (one
+server process, started with this module imported, forks each worker: engines created one
+after another in a process, as tests and notebooks do, start their workers in well under a
+second after the first; the server keeps running, and keeps the environment it started
+with). ``fork`` is not offered: a forked OpenMP runtime hangs in its first parallel region.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import queue
 import signal
 import threading
@@ -53,6 +62,8 @@ from llmserve.spec_decode.draft_model import DraftModelProposer
 logger = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 600.0  # a worker reading a large checkpoint
+START_METHOD_ENV = "LLMSERVE_WORKER_MULTIPROC_METHOD"
+START_METHODS = ("spawn", "forkserver")
 
 
 def create_tp_runner(
@@ -317,11 +328,25 @@ def _worker_entry(info: pg.RankInfo, args: tuple, status) -> None:
     dist.destroy_process_group()
 
 
+def start_context():
+    """The multiprocessing context of ``LLMSERVE_WORKER_MULTIPROC_METHOD`` (module doc)."""
+    method = os.environ.get(START_METHOD_ENV, "spawn")
+    if method not in START_METHODS:
+        raise ValueError(
+            f"{START_METHOD_ENV}={method!r} is not a start method for tensor-parallel workers; "
+            f"choose one of {', '.join(START_METHODS)}"
+        )
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload([__name__])  # imported once, before the server's first fork
+    return ctx
+
+
 class WorkerSet:
     """Ranks 1..N-1 as spawned local processes (daemons: they end with the engine process)."""
 
     def __init__(self, info: pg.RankInfo, args: tuple) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = start_context()
         self.status = ctx.Queue()
         self.processes = []
         for rank in range(1, info.world_size):
