@@ -192,6 +192,7 @@ DEQUANT_ONLY_TYPES = [
     QType.IQ4_XS,
 ]
 PLAIN_TYPES = [np.float64, np.int8, np.int16, np.int32, np.int64]
+FAST_TYPES = [QType.Q4_0, QType.Q4_1, QType.Q8_0, QType.Q4_K, QType.Q5_K, QType.Q6_K]
 
 
 @pytest.fixture(scope="module")
@@ -209,6 +210,13 @@ def quant_file(tmp_path_factory) -> tuple[dict[str, np.ndarray], dict[str, torch
         raw = _random_blocks(rng, qtype)
         writer.add_tensor(qtype.name, raw, raw_dtype=qtype)
         expected[qtype.name] = gguf.quants.dequantize(raw, qtype)
+    for qtype in FAST_TYPES:  # random blocks, every field: bit for bit as gguf-py decodes them
+        raw = _random_blocks(rng, qtype)
+        writer.add_tensor(f"random-{qtype.name}", raw, raw_dtype=qtype)
+        expected[f"random-{qtype.name}"] = gguf.quants.dequantize(raw, qtype)
+    experts = _random_blocks(rng, QType.Q4_1).reshape(2, SHAPE[0] // 2, -1)  # [E, rows, bytes]
+    writer.add_tensor("experts", experts, raw_dtype=QType.Q4_1)
+    expected["experts"] = gguf.quants.dequantize(experts, QType.Q4_1)
     for dtype in PLAIN_TYPES:
         values = rng.integers(-100, 100, SHAPE).astype(dtype)
         writer.add_tensor(np.dtype(dtype).name, values)
@@ -232,6 +240,15 @@ def test_dequantize_matches_gguf(quant_file, qtype: QType) -> None:
     expected, ours = quant_file
     assert tuple(ours[qtype.name].shape) == SHAPE
     np.testing.assert_array_equal(ours[qtype.name].numpy(), expected[qtype.name])
+
+
+@pytest.mark.parametrize("name", [f"random-{t.name}" for t in FAST_TYPES] + ["experts"])
+def test_fast_dequantize_is_gguf_bit_for_bit(quant_file, name: str) -> None:
+    """The types decoded through llmserve's converters and torch (Q4_0, Q4_1, Q8_0, Q4_K,
+    Q5_K, Q6_K), on random blocks and a 3-D expert tensor, equal gguf-py's results exactly."""
+    expected, ours = quant_file
+    assert ours[name].shape == expected[name].shape and ours[name].dtype == torch.float32
+    assert np.array_equal(ours[name].numpy().view(np.uint32), expected[name].view(np.uint32))
 
 
 @pytest.mark.parametrize("dtype", PLAIN_TYPES, ids=lambda t: np.dtype(t).name)

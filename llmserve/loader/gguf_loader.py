@@ -239,8 +239,14 @@ def load_gguf_config(path: str) -> PretrainedConfig:
 
 
 def dequantize_tensor(tensor: gguf.ReaderTensor) -> torch.Tensor:
-    """Dequantize one GGUF tensor to fp32 in HF shape (GGUF's dims reversed)."""
+    """Dequantize one GGUF tensor to fp32 in HF shape (GGUF's dims reversed). The types
+    ``--quantization gguf`` reads are decoded through its converters and torch, with gguf-py's
+    operations in its order (bit-identical, 3-4x faster than gguf-py's numpy: a second per load
+    of the default model on a slow host); any other type through gguf-py."""
     qtype = gguf.GGMLQuantizationType(tensor.tensor_type)
+    shape = tuple(int(dim) for dim in reversed(tensor.shape))
+    if qtype in _FAST_TYPES:
+        return _dequantize_blocks(tensor, qtype, shape)
     if qtype in _PLAIN_TYPES:
         array = np.asarray(tensor.data, dtype=np.float32)
     else:
@@ -251,11 +257,32 @@ def dequantize_tensor(tensor: gguf.ReaderTensor) -> torch.Tensor:
                 f"GGUF tensor {tensor.name!r} has type {qtype.name}, which this gguf "
                 "package cannot dequantize"
             ) from exc
-    shape = tuple(int(dim) for dim in reversed(tensor.shape))
     array = array.reshape(shape)
     if not array.flags.writeable or array.dtype != np.float32:
         array = array.astype(np.float32)  # copy off the read-only memory map
     return torch.from_numpy(array)
+
+
+_QT = gguf.GGMLQuantizationType
+_FAST_TYPES = (_QT.Q4_0, _QT.Q4_1, _QT.Q8_0, _QT.Q4_K, _QT.Q5_K, _QT.Q6_K)
+
+
+def _dequantize_blocks(tensor: gguf.ReaderTensor, qtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """gguf-py's formulas, same order: Q4_0 d * (q - 8); Q4_1 d * q + m; Q8_0 q * d; Q4_K and
+    Q5_K (d * sc) * q - dmin * m; Q6_K (d * sc) * (q - 32). Rows are independent, so any
+    leading dimensions (a MoE layer's experts) are flattened into rows."""
+    cols = shape[-1]
+    weight = gguf_to_internal(tensor.name, qtype, tensor.data, (int(np.prod(shape[:-1])), cols))
+    rows, groups = weight.scales.shape
+    values = weight.values().view(rows, groups, -1)  # float32 codes per group (Q4_0: 0..15)
+    scales = weight.scales.unsqueeze(-1)
+    if qtype == _QT.Q4_0:  # stored as d * q - 8d; gguf-py subtracts 8 first
+        out = values.sub_(8.0).mul_(scales)
+    elif weight.mins is None:
+        out = values.mul_(scales)
+    else:  # mins = -(dmin * m): adding it is subtracting dmin * m
+        out = values.mul_(scales).add_(weight.mins.unsqueeze(-1))
+    return out.reshape(shape)
 
 
 def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:

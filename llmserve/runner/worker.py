@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable, Iterator
@@ -91,7 +92,7 @@ def load_model(
     select = select or (lambda stream: stream)
     model_class = get_model_class(hf_config)
     torch.manual_seed(config.model.seed)
-    with torch.device(device):
+    with torch.device(device), _without_random_init():  # every weight is loaded (or dummy) below
         model = model_class(hf_config, max_model_len, backend)
     kernel = default_quant_kernel(device, config.model.quantized_activations) if method else ""
     if method in quantization.RUNTIME_METHODS:
@@ -117,6 +118,24 @@ def load_model(
     if can_pack(device, dtype):
         pack_linear_layers(model, batch_size_hint=config.scheduler.max_num_seqs)
     return model
+
+
+@contextlib.contextmanager
+def _without_random_init():
+    """``nn.Linear`` and ``nn.Embedding`` allocate their weights without the random init the
+    checkpoint overwrites (a second per model load of the default model on a slow host; a
+    tensor the checkpoint lacks is refused by ``load_weights``). As transformers'
+    ``no_init_weights``, the switch is process-wide while the model is built."""
+    saved = torch.nn.Linear.reset_parameters, torch.nn.Embedding.reset_parameters
+    torch.nn.Linear.reset_parameters = torch.nn.Embedding.reset_parameters = _no_init
+    try:
+        yield
+    finally:
+        torch.nn.Linear.reset_parameters, torch.nn.Embedding.reset_parameters = saved
+
+
+def _no_init(module: torch.nn.Module) -> None:
+    pass
 
 
 def create_runner(
