@@ -82,6 +82,7 @@ def assert_no_leaks(llm) -> None:
 
 # Real tokenizer vocabularies, offline (tests/test_gguf_tokenizer.py, test_model_families_gguf.py).
 GEMMA_TOKENS = 8000  # Gemma 3's first tokens: controls, user-defined, bytes, 7506 normal ones
+SMOLLM_TOKENS = 8192  # SmolLM2's first tokens: 17 controls, 256 bytes, 7919 merged ones
 
 
 @pytest.fixture(scope="session")
@@ -102,6 +103,36 @@ def smollm_reference():
 
     folder, name = os.path.split(default_model_path())
     return AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+
+
+@pytest.fixture(scope="session")
+def smollm_cut_vocabulary(smollm_vocabulary) -> dict:
+    """The default model's vocabulary cut to its first ``SMOLLM_TOKENS`` tokens (and the merges
+    among them): every file written with it is read in well under a second, where the whole
+    vocabulary costs seconds per reader; one test per builder keeps the whole one."""
+    from tests.gguf_writer import cut_bpe_vocabulary
+
+    return cut_bpe_vocabulary(smollm_vocabulary, SMOLLM_TOKENS)
+
+
+@pytest.fixture(scope="session")
+def smollm_cut_reference(smollm_cut_vocabulary, tmp_path_factory):
+    """transformers' tokenizer built from a tiny Llama GGUF file with the cut vocabulary."""
+    import torch
+    import transformers as T
+    from transformers import AutoTokenizer
+
+    from tests.gguf_writer import write_gguf
+
+    folder = tmp_path_factory.mktemp("smollm-cut")
+    config = T.LlamaConfig(
+        vocab_size=SMOLLM_TOKENS, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    T.LlamaForCausalLM(config).save_pretrained(folder / "hf")
+    write_gguf(str(folder / "cut.gguf"), str(folder / "hf"), vocabulary=smollm_cut_vocabulary)
+    return AutoTokenizer.from_pretrained(str(folder), gguf_file="cut.gguf", local_files_only=True)
 
 
 @pytest.fixture(scope="session")

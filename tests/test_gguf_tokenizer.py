@@ -50,15 +50,21 @@ def assert_same_tokenizer(ours, reference, same_size: bool = True) -> None:
 
 
 @pytest.mark.parametrize("name", GPT2_TYPE)
-def test_byte_level_bpe_from_metadata(name, tmp_path, smollm_vocabulary, smollm_reference):
-    path, _ = tiny_gguf(tmp_path, name, smollm_vocabulary)
-    if name == GPT2_TYPE[0]:  # transformers builds none of them (one asked: 8 s per file)
+def test_byte_level_bpe_from_metadata(name, tmp_path, request):
+    """The first family reads the default model's whole vocabulary (49,152 tokens, its
+    reference from the default model's file); the others its cut (conftest)."""
+    whole = name == GPT2_TYPE[0]
+    vocabulary = request.getfixturevalue("smollm_vocabulary" if whole else "smollm_cut_vocabulary")
+    reference = request.getfixturevalue("smollm_reference" if whole else "smollm_cut_reference")
+    path, _ = tiny_gguf(tmp_path, name, vocabulary)
+    if whole:  # transformers builds none of them (one asked: 8 s per file of the whole one)
         with pytest.raises(ValueError, match="not supported"):
             AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=os.path.basename(path))
     for ours in (get_tokenizer(path), get_tokenizer(path)):  # built, then from the cache
-        assert_same_tokenizer(ours, smollm_reference)
-        assert ours.pad_token_id == smollm_vocabulary["padding_token_id"]
-        assert ours.chat_template == smollm_reference.chat_template
+        assert_same_tokenizer(ours, reference)
+        assert len(ours) == len(vocabulary["tokens"])
+        assert ours.pad_token_id == vocabulary["padding_token_id"]
+        assert ours.chat_template == reference.chat_template
         assert ours.encode("<|im_start|>") == [1]  # a control token stays whole
 
 
@@ -141,9 +147,9 @@ def test_unknown_tokenizer_model_is_refused(tmp_path, smollm_vocabulary):
         build_gguf_tokenizer(gguf_reader(path), "mpt")
 
 
-def test_bos_eos_flags_and_ids(tmp_path, smollm_vocabulary):
+def test_bos_eos_flags_and_ids(tmp_path, smollm_cut_vocabulary):
     """add_bos_token / add_eos_token wrap every encoding (pairs too); pad and unk by id."""
-    vocabulary = {**smollm_vocabulary, "add_bos_token": True, "add_eos_token": True}
+    vocabulary = {**smollm_cut_vocabulary, "add_bos_token": True, "add_eos_token": True}
     vocabulary |= {"bos_token_id": 1, "eos_token_id": 2, "padding_token_id": 0}
     path, _ = tiny_gguf(tmp_path, "mpt", vocabulary)
     for ours in (get_tokenizer(path), get_tokenizer(path)):  # built, then from the cache
@@ -154,14 +160,16 @@ def test_bos_eos_flags_and_ids(tmp_path, smollm_vocabulary):
         assert ours.decode(ids, skip_special_tokens=True) == "Hello world"
 
 
-def test_tokenizers_are_cached_per_file(tmp_path, monkeypatch, smollm_vocabulary, smollm_reference):
+def test_tokenizers_are_cached_per_file(
+    tmp_path, monkeypatch, smollm_cut_vocabulary, smollm_cut_reference
+):
     """The first load builds and saves the tokenizer under the cache root; the next one reads
     it without building; a damaged entry is rebuilt; a changed file or a changed builder has
     another entry."""
     import llmserve.tokenizer as tokenizer_module
 
     monkeypatch.setenv("LLMSERVE_CACHE_ROOT", str(tmp_path / "cache"))
-    path, _ = tiny_gguf(tmp_path, "gptj", smollm_vocabulary)
+    path, _ = tiny_gguf(tmp_path, "gptj", smollm_cut_vocabulary)
     build = tokenizer_module._build_gguf_tokenizer
     built = []
     monkeypatch.setattr(
@@ -173,9 +181,9 @@ def test_tokenizers_are_cached_per_file(tmp_path, monkeypatch, smollm_vocabulary
     second = get_tokenizer(path)
     assert len(built) == 1  # read, not built
     for ours in (first, second):
-        assert_same_tokenizer(ours, smollm_reference)
+        assert_same_tokenizer(ours, smollm_cut_reference)
     (entry / "tokenizer.json").write_text("{ not json")
-    assert_same_tokenizer(get_tokenizer(path), smollm_reference)
+    assert_same_tokenizer(get_tokenizer(path), smollm_cut_reference)
     assert len(built) == 2 and (entry / "tokenizer.json").read_text().startswith("{\n")
     assert tokenizer_module._cached_tokenizer_dir(path) == entry
     with monkeypatch.context() as patch:

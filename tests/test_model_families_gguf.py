@@ -186,8 +186,8 @@ def test_text_prompts_through_the_file_tokenizer(name, tmp_path, request):
         vocabulary = request.getfixturevalue("gemma_vocabulary")
         reference = request.getfixturevalue("gemma_reference")[1]
     else:
-        vocabulary = request.getfixturevalue("smollm_vocabulary")
-        reference = request.getfixturevalue("smollm_reference")
+        vocabulary = request.getfixturevalue("smollm_cut_vocabulary")
+        reference = request.getfixturevalue("smollm_cut_reference")
     path, hf_dir = tiny_gguf(tmp_path, name, vocabulary, reference)
     params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS)
     results = []
