@@ -68,6 +68,25 @@ def test_multi_round_chat_reuses_history_blocks():
     assert_no_leaks(llm)
 
 
+def test_a_subcommand_parses_without_the_others_modules():
+    """``llmserve generate`` builds only its own parser: no torch, transformers or FastAPI
+    import before its flags are checked (the server's, benchmarks' and quantizers' modules
+    pull them in); with no subcommand every one is listed."""
+    code = (
+        "import sys; from llmserve.entrypoints.cli import build_parser; "
+        "p = build_parser('generate'); p.parse_args(['generate', '--prompt', 'x']); "
+        "print(sorted(p._subparsers._group_actions[0].choices), "
+        "[m for m in ('torch', 'transformers', 'fastapi') if m in sys.modules])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["['generate']", "[]"]
+    from llmserve.entrypoints.cli import build_parser
+
+    choices = build_parser()._subparsers._group_actions[0].choices
+    assert set(choices) == {"generate", "serve", "bench", "quantize", "eval"}
+
+
 @pytest.mark.parametrize("flag", ["--batching", "--scheduling-policy"])
 def test_flags_are_generated_from_config(flag):
     from llmserve.entrypoints.cli import build_parser
