@@ -241,8 +241,8 @@ def load_gguf_config(path: str) -> PretrainedConfig:
 def dequantize_tensor(tensor: gguf.ReaderTensor) -> torch.Tensor:
     """Dequantize one GGUF tensor to fp32 in HF shape (GGUF's dims reversed). The types
     ``--quantization gguf`` reads are decoded through its converters and torch, with gguf-py's
-    operations in its order (bit-identical, 3-4x faster than gguf-py's numpy: a second per load
-    of the default model on a slow host); any other type through gguf-py."""
+    operations in its order (bit-identical, about twice as fast as gguf-py's numpy: half a
+    second per load of the default model on a slow host); any other type through gguf-py."""
     qtype = gguf.GGMLQuantizationType(tensor.tensor_type)
     shape = tuple(int(dim) for dim in reversed(tensor.shape))
     if qtype in _FAST_TYPES:

@@ -18,8 +18,8 @@ Forward, per call, for ``x [T, K]``:
 
 On the CPU the int8 product and its scaling run in one call of llmserve's integer GEMM
 (``kernels/cpu/quant_gemm.cpp``: AVX-512 VNNI or AVX2, int32 dots per block of 32 columns,
-scaled in fp32), which is 4-5x faster than ``torch._int_mm`` on AVX2 CPUs; elsewhere, or
-without the kernels, ``torch._int_mm``.
+scaled in fp32): about 10x faster than ``torch._int_mm`` on an AVX2 CPU (docs/benchmarks.md);
+elsewhere, or without the kernels, ``torch._int_mm``.
 """
 
 from __future__ import annotations
