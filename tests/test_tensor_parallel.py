@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from llmserve import LLM, SamplingParams
-from llmserve.distributed.executor import START_METHOD_ENV
 from llmserve.distributed.plan import make_plan
 from llmserve.distributed.weights import shard_weights
+from llmserve.distributed.workers import START_METHOD_ENV
 from llmserve.sampling_params import BeamSearchParams
 from tests.conftest import assert_no_leaks
 from tests.quantization.tiny_llama import save_tiny_llama

@@ -10,6 +10,8 @@
     process_group.py   gloo on CPU, NCCL on CUDA; torchrun's RANK / WORLD_SIZE / MASTER_ADDR
     executor.py        rank 0 keeps the scheduler and the sampler; ranks 1..N-1 (spawned, or
                        torchrun's) mirror its model calls from a small per-call message
+    workers.py         those local ranks as processes: spawned, or forked from a forkserver
+                       (LLMSERVE_WORKER_MULTIPROC_METHOD)
     data_parallel.py   ``llmserve serve --data-parallel-size N``: N engine replicas as Ray
                        actors behind one endpoint, a longest-prefix router, restarts
     replica.py         one replica's Ray actor and server-side slot, the model-less engine

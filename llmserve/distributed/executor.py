@@ -10,40 +10,30 @@
       sampler (rank 0 only)
 
 The scheduler, the sampler and the outputs stay in rank 0; a step costs the workers one small
-message (token ids, positions, block tables, slots) per model call. Workers are spawned here
-(torch.multiprocessing) or, under torchrun, are the ranks > 0 of the same command.
-
-How local workers start, as vLLM's ``VLLM_WORKER_MULTIPROC_METHOD``:
-``LLMSERVE_WORKER_MULTIPROC_METHOD=spawn`` (the default: a fresh interpreter per worker, which
-imports torch and transformers again, about 5 s on a slow 2-core host) or ``forkserver`` (one
-server process, started with this module imported, forks each worker: engines created one
-after another in a process, as tests and notebooks do, start their workers in well under a
-second after the first; the server keeps running, and keeps the environment it started
-with). ``fork`` is not offered: a forked OpenMP runtime hangs in its first parallel region.
+message (token ids, positions, block tables, slots) per model call. Workers are local
+processes started by ``workers.py`` (spawned, or forked from a forkserver) or, under torchrun,
+the ranks > 0 of the same command.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import os
-import queue
 import signal
 import threading
-import time
 import traceback
 import weakref
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from llmserve.config import EngineConfig
 from llmserve.distributed import process_group as pg
 from llmserve.distributed.layers import apply_tensor_parallel
 from llmserve.distributed.plan import TensorParallelPlan, check_devices, local_config, make_plan
 from llmserve.distributed.weights import shard_weights
+from llmserve.distributed.workers import WorkerSet
 from llmserve.layers.paged_attention_torch import build_plan
 from llmserve.loader import ResolvedModel
 from llmserve.quantization import loading as quantization
@@ -60,10 +50,6 @@ from llmserve.runner.worker import (
 from llmserve.spec_decode.draft_model import DraftModelProposer
 
 logger = logging.getLogger(__name__)
-
-START_TIMEOUT_S = 600.0  # a worker reading a large checkpoint
-START_METHOD_ENV = "LLMSERVE_WORKER_MULTIPROC_METHOD"
-START_METHODS = ("spawn", "forkserver")
 
 
 def create_tp_runner(
@@ -100,7 +86,7 @@ def create_tp_runner(
     if not info.is_driver:  # a torchrun rank > 0: serve rank 0 until it stops, then exit
         run_worker(info, *args)
         raise SystemExit(0)
-    workers = WorkerSet(info, args) if is_spawned else None
+    workers = WorkerSet(info, args, _worker_entry) if is_spawned else None
     group = _join_watching(info, device_type, workers)
     runner, num_blocks, text = build_rank_runner(info, group, *args, drafter=drafter)
     if workers is not None:
@@ -326,76 +312,3 @@ def _worker_entry(info: pg.RankInfo, args: tuple, status) -> None:
         raise
     serve_steps(runner, group)
     dist.destroy_process_group()
-
-
-def start_context():
-    """The multiprocessing context of ``LLMSERVE_WORKER_MULTIPROC_METHOD`` (module doc)."""
-    method = os.environ.get(START_METHOD_ENV, "spawn")
-    if method not in START_METHODS:
-        raise ValueError(
-            f"{START_METHOD_ENV}={method!r} is not a start method for tensor-parallel workers; "
-            f"choose one of {', '.join(START_METHODS)}"
-        )
-    ctx = mp.get_context(method)
-    if method == "forkserver":
-        ctx.set_forkserver_preload([__name__])  # imported once, before the server's first fork
-    return ctx
-
-
-class WorkerSet:
-    """Ranks 1..N-1 as spawned local processes (daemons: they end with the engine process)."""
-
-    def __init__(self, info: pg.RankInfo, args: tuple) -> None:
-        ctx = start_context()
-        self.status = ctx.Queue()
-        self.processes = []
-        for rank in range(1, info.world_size):
-            rank_info = dataclasses.replace(info, rank=rank, local_rank=rank)
-            p = ctx.Process(
-                target=_worker_entry,
-                args=(rank_info, args, self.status),
-                daemon=True,
-                name=f"llmserve-tp-rank{rank}",
-            )
-            p.start()
-            self.processes.append(p)
-
-    def wait_ready(self) -> None:
-        pending = {p.pid for p in self.processes}
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while pending and time.monotonic() < deadline:
-            try:
-                rank, error = self.status.get(timeout=0.2)
-            except queue.Empty:
-                self.check_alive()
-                continue
-            if error is not None:
-                raise RuntimeError(f"tensor-parallel rank {rank} failed to start:\n{error}")
-            pending.discard(self.processes[rank - 1].pid)
-        if pending:
-            raise RuntimeError(f"tensor-parallel workers did not start in {START_TIMEOUT_S:.0f} s")
-
-    def check_started(self) -> None:
-        """Raise a worker's start-up error, or its death, without waiting."""
-        try:
-            rank, error = self.status.get_nowait()
-        except queue.Empty:
-            self.check_alive()
-            return
-        if error is not None:
-            raise RuntimeError(f"tensor-parallel rank {rank} failed to start:\n{error}")
-        self.status.put((rank, None))  # a "ready": leave it for wait_ready
-
-    def check_alive(self) -> None:
-        for rank, p in enumerate(self.processes, start=1):
-            if not p.is_alive():
-                raise RuntimeError(
-                    f"tensor-parallel worker rank {rank} (pid {p.pid}) died with exit code "
-                    f"{p.exitcode}; restart the engine"
-                )
-
-    def join(self, timeout: float = 10.0) -> None:
-        for p in self.processes:
-            p.join(timeout)
-            if p.is_alive():
-                p.terminate()

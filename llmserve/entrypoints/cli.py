@@ -105,11 +105,11 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         prog="llmserve", description="LLM inference and serving engine"
     )
     subparsers = parser.add_subparsers(dest="command", required=True)
-    known = command == "generate" or command in SUBCOMMAND_MODULES
-    if not known or command == "generate":
+    only = command if command in ("generate", *SUBCOMMAND_MODULES) else None
+    if only in (None, "generate"):
         add_generate_parser(subparsers)
     for name, module_name in SUBCOMMAND_MODULES.items():
-        if known and name != command:
+        if only not in (None, name):
             continue
         try:
             module = __import__(module_name, fromlist=["add_parser"])

@@ -24,11 +24,10 @@ elsewhere, or without the kernels, ``torch._int_mm``.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import nn
 
+from llmserve.kernels.cpu import quant
 from llmserve.quantization.layout import BLOCK, QuantizedWeight
 
 
@@ -51,22 +50,13 @@ def scaled_int8_matmul(
 ) -> torch.Tensor:
     """``(ca @ cb^T) * sca[t] * scb[n] / 127^2`` in fp32: int8 ``ca [T, K]``, ``cb [N, K]``."""
     in_features = ca.shape[1]
-    if ca.device.type == "cpu" and in_features % BLOCK == 0 and _cpu_kernels_available():
-        from llmserve.kernels.cpu import quant
-
+    if ca.device.type == "cpu" and in_features % BLOCK == 0 and quant.available():
         # one weight group of K columns (scale scb / 127); the activation scale per block
         weight = QuantizedWeight(8, cb, (scb / 127.0).unsqueeze(1), None, in_features)
         xs = (sca / 127.0).unsqueeze(1).expand(-1, in_features // BLOCK).contiguous()
         return quant.quant_gemm(ca.contiguous(), xs, weight)
     acc = int8_matmul(ca, cb)  # int32 [T, N]
     return acc.float() * (sca.unsqueeze(1) * scb.unsqueeze(0)) * (1.0 / 127**2)
-
-
-@functools.cache
-def _cpu_kernels_available() -> bool:
-    from llmserve.kernels.cpu import quant
-
-    return quant.available()
 
 
 class LLMInt8Linear(nn.Module):
