@@ -21,7 +21,10 @@ inline int64_t slot(int64_t d, int64_t D) {
 // for all of them; their queries and accumulators stay in registers (32 vector registers
 // with AVX-512, 16 with AVX2).
 constexpr int kMaxHeads = Vec::W >= 16 ? 4 : 2;
-constexpr int kAccRegs = Vec::W >= 16 ? 16 : 8;
+// V accumulators per pass: with AVX2, 12 of the 16 registers (three heads of a GQA group x
+// two chunks in one pass; 8 took decode attention 7-10% longer, fp32, batch 64 x 384 tokens,
+// benchmarks.decode_attention, five alternated pairs on an AVX2 Zen 3 host)
+constexpr int kAccRegs = Vec::W >= 16 ? 16 : 12;
 
 // out[h * os + i] = q_h . k_i for NH heads q_h = q + h * D (fp32, pre-scaled, chunk order) and
 // n key rows k_i = k + i * stride. Four rows at a time, summed across lanes together.
