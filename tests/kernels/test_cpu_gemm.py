@@ -52,17 +52,19 @@ def test_linear_f32_matches_float64(isa, m, k, n, with_bias):
 
 
 @pytest.mark.parametrize("threads", [1, 3])  # 3: more threads than the CI host's cores
-@pytest.mark.parametrize("m", [64, 300])  # one pass over the weight; blocks of 256 rows
-def test_linear_f32_computes_every_panel_at_any_thread_count(m, threads):
+# one pass over the weight; blocks of 256 rows; chunks cut to keep y in L2 (85 panels, the
+# last chunk short)
+@pytest.mark.parametrize(("m", "n"), [(64, 500), (300, 500), (200, 4050)])
+def test_linear_f32_computes_every_panel_at_any_thread_count(m, n, threads):
     """Panels are handed out in chunks that threads take as they come free (parallel.h): with
     one thread, and with more threads than cores, no output column is left out."""
     gen = torch.Generator().manual_seed(m + threads)
-    x, w = torch.randn(m, 200, generator=gen), torch.randn(500, 200, generator=gen)
+    x, w = torch.randn(m, 200, generator=gen), torch.randn(n, 200, generator=gen)
     packed = cpu_kernels.linear_f32_pack(w)
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got = cpu_kernels.linear_f32(x, packed, 500)
+        got = cpu_kernels.linear_f32(x, packed, n)
     finally:
         torch.set_num_threads(old)
     want = F.linear(x.double(), w.double()).float()

@@ -146,8 +146,11 @@ inline void gemm_panels_outer(const float* x, int64_t K, const float* packed, in
 // (gemm_panels_outer), where the multiply, not the weight's loads, is what costs.
 inline void linear_f32(const float* x, int64_t M, int64_t K, const float* packed,
                        int64_t num_panels, const float* bias, float* y, int64_t ldy) {
-  const int64_t grain = ::llmserve::grain_for(num_panels, kChunksPerThread);
+  int64_t grain = ::llmserve::grain_for(num_panels, kChunksPerThread);
   if (M <= kRowBlock) {
+    // a chunk's y [M, chunk columns] is re-read and re-written once per slice of K: kept to
+    // what stays in L2 (the LM head's chunks were 1.5 MB at M = 64)
+    grain = std::min(grain, std::max<int64_t>(1, kChunkOutputBytes / (M * kPanel * 4)));
     ::llmserve::parallel_take(num_panels, grain, [&](int64_t pb, int64_t pe) {
       gemm_panels(x, K, packed, num_panels, y, ldy, bias, 0, M, pb, pe);
     });
