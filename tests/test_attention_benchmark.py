@@ -56,3 +56,31 @@ def test_decode_attention_times_both_page_sizes_on_every_layout(capsys):
     ]
     assert all(r["gbs"] > 0 and r["ms_per_layer"] > 0 for r in rows)
     assert "pages" in capsys.readouterr().out
+
+
+def test_prompt_attention_steps_are_causal_prompts(capsys):
+    """``python -m llmserve.benchmarks.prompt_attention``: a step writes its prompts' K/V at
+    their blocks and each row attends its prompt up to itself (the reference agrees), and the
+    command reports one row per dtype and ISA."""
+    import torch
+
+    from llmserve.benchmarks import prompt_attention
+    from llmserve.kernels import cpu as cpu_kernels
+    from llmserve.kernels.reference import ref_paged_attention
+
+    q, k, v, k_cache, v_cache, slots, tables, lens, starts = prompt_attention.make_step(
+        2, 40, 16, torch.float32, 0
+    )
+    out = cpu_kernels.paged_attention(q, k, v, k_cache, v_cache, slots, tables, lens, starts, 0.125)
+    heads, kv_heads, dim = prompt_attention.SHAPE
+    assert torch.equal(k_cache.reshape(-1, kv_heads * dim)[slots], k)
+    assert torch.equal(v_cache.reshape(-1, kv_heads * dim)[slots], v)
+    ref = ref_paged_attention(
+        q.view(-1, heads, dim), k_cache.contiguous(), v_cache, starts, lens, tables, 0.125
+    )
+    torch.testing.assert_close(out.view(-1, heads, dim), ref, rtol=1e-4, atol=1e-4)
+    argv = ["--batch", "2", "--prompt-len", "40", "--rounds", "1", "--layers", "1"]
+    rows = prompt_attention.main([*argv, "--isas", "scalar"])
+    assert [(r["dtype"], r["isa"]) for r in rows] == [("float32", "scalar"), ("bfloat16", "scalar")]
+    assert all(r["gflops"] > 0 and r["ms_per_layer"] > 0 for r in rows)
+    assert "prompt attention, 2 prompts x 40 tokens" in capsys.readouterr().out

@@ -100,6 +100,22 @@ def measure(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+def parse_run_args(
+    p: argparse.ArgumentParser, argv: list[str] | None, layers: int
+) -> argparse.Namespace:
+    """Add the options every attention-kernel benchmark takes (ISAs, threads, layers, rounds),
+    parse, and apply ``--threads``; ``--isas`` defaults to every vector path this CPU runs."""
+    p.add_argument("--isas", nargs="+", default=None, help="default: every path this CPU runs")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--layers", type=int, default=layers, help="layers of separate K/V caches")
+    p.add_argument("--rounds", type=int, default=7)
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    args.isas = args.isas or [i for i in cpu_kernels.supported_isas() if i != "scalar"]
+    return args
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0].strip("`"))
     p.add_argument("--batch", type=int, default=64)
@@ -121,14 +137,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         choices=["huge", "4k"],
         help="pools on transparent huge pages as the engine allocates them, and/or plain",
     )
-    p.add_argument("--isas", nargs="+", default=None, help="default: every path this CPU runs")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--layers", type=int, default=8, help="layers of separate K/V caches")
-    p.add_argument("--rounds", type=int, default=7)
-    args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    args.isas = args.isas or [i for i in cpu_kernels.supported_isas() if i != "scalar"]
+    args = parse_run_args(p, argv, layers=8)
     rows = measure(args)
     threads = torch.get_num_threads()
     print(f"paged decode attention, batch {args.batch}, {args.layers} layers, {threads} threads")

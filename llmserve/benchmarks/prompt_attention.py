@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from llmserve.benchmarks.decode_attention import make_batch
+from llmserve.benchmarks.decode_attention import make_batch, parse_run_args
 from llmserve.benchmarks.report import format_table
 from llmserve.kernels import cpu as cpu_kernels
 
@@ -78,14 +78,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--isas", nargs="+", default=None, help="default: every path this CPU runs")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--layers", type=int, default=4, help="layers of separate K/V caches")
-    p.add_argument("--rounds", type=int, default=7)
-    args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    args.isas = args.isas or [i for i in cpu_kernels.supported_isas() if i != "scalar"]
+    args = parse_run_args(p, argv, layers=4)
     rows = measure(args)
     print(
         f"prompt attention, {args.batch} prompts x {args.prompt_len} tokens, block size "
