@@ -68,29 +68,23 @@ def default_model() -> ResolvedModel:
     return resolve_model(None)
 
 
-@pytest.fixture(scope="module")
-def hf_reference(hf_default_model) -> torch.nn.Module:
-    """transformers' own GGUF load of the default model (conftest, once per run)."""
-    return hf_default_model
-
-
 def test_default_model_path() -> None:
     path = default_model_path()
     assert os.path.isfile(path) and os.path.basename(path) == DEFAULT_GGUF_FILE
 
 
-def test_default_gguf_weights_match_transformers(default_model, hf_reference) -> None:
+def test_default_gguf_weights_match_transformers(default_model, hf_default_model) -> None:
     ours = dict(iter_weights(default_model))
     assert all(tensor.dtype == torch.float32 for tensor in ours.values())
     assert "lm_head.weight" not in ours  # SmolLM2 ties embeddings
-    _assert_same_tensors(ours, _state_dict(hf_reference))
+    _assert_same_tensors(ours, _state_dict(hf_default_model))
 
 
-def test_default_gguf_config_matches_transformers(default_model, hf_reference) -> None:
+def test_default_gguf_config_matches_transformers(default_model, hf_default_model) -> None:
     ours = load_config(default_model)
     assert ours.architectures == ["LlamaForCausalLM"]
     for field in CONFIG_FIELDS:
-        assert getattr(ours, field) == getattr(hf_reference.config, field), field
+        assert getattr(ours, field) == getattr(hf_default_model.config, field), field
     assert (ours.num_key_value_heads, ours.eos_token_id, ours.tie_word_embeddings) == (3, 2, True)
 
 
