@@ -48,6 +48,7 @@ LIBRARY = NativeLibrary(
     headers=[
         _HERE / n
         for n in (
+            "bindings.h",
             "vec.h",
             "isa.h",
             "parallel.h",

@@ -13,12 +13,12 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/csrc/utils/pybind.h>  // pybind11 and its at::Tensor caster, for the direct bindings
 #include <torch/library.h>
 
 #include <cmath>
 #include <vector>
 
+#include "bindings.h"
 #include "isa.h"
 #include "vec.h"
 
@@ -148,10 +148,10 @@ at::Tensor rotary_interleaved(const at::Tensor& x, const at::Tensor& positions, 
 
 // the same functions for direct calls from Python (bindings.cpp: no dispatcher on the hot path)
 void llmserve_bind_fused(pybind11::module_& m) {
-  m.def("rms_norm", &rms_norm);
-  m.def("fused_add_rms_norm_", &fused_add_rms_norm_);
-  m.def("silu_and_mul", &silu_and_mul);
-  m.def("rotary_interleaved", &rotary_interleaved);
+  m.def("rms_norm", &rms_norm, ReleaseGil());
+  m.def("fused_add_rms_norm_", &fused_add_rms_norm_, ReleaseGil());
+  m.def("silu_and_mul", &silu_and_mul, ReleaseGil());
+  m.def("rotary_interleaved", &rotary_interleaved, ReleaseGil());
 }
 
 TORCH_LIBRARY_FRAGMENT(llmserve_cpu, m) {

@@ -17,12 +17,12 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/csrc/utils/pybind.h>  // pybind11 and its at::Tensor caster, for the direct bindings
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
 
+#include "bindings.h"
 #include "isa.h"
 #include "parallel.h"
 #include "vec.h"
@@ -90,8 +90,8 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& packed, int64_t n,
 
 // the same functions for direct calls from Python (kernels_bindings.cpp)
 void llmserve_bind_gemm(pybind11::module_& m) {
-  m.def("linear_f32_pack", &linear_f32_pack);
-  m.def("linear_f32", &linear_f32);
+  m.def("linear_f32_pack", &linear_f32_pack, ReleaseGil());
+  m.def("linear_f32", &linear_f32, ReleaseGil());
 }
 
 TORCH_LIBRARY_FRAGMENT(llmserve_cpu, m) {

@@ -1,7 +1,7 @@
 // Direct Python bindings of llmserve_cpu_kernels' hot functions. The torch.ops route (the
 // dispatcher, boxed arguments) costs about 1.5 us more per call than a pybind11 call, and a
 // decode step of a small model makes a few hundred such calls; the ops stay registered too.
-#include <torch/csrc/utils/pybind.h>  // pybind11 and its at::Tensor caster: a quarter of torch/extension.h's parse time
+#include "bindings.h"
 
 void llmserve_bind_fused(pybind11::module_& m);
 void llmserve_bind_paged_attention(pybind11::module_& m);

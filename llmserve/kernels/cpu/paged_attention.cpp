@@ -31,7 +31,6 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/csrc/utils/pybind.h>  // pybind11 and its at::Tensor caster, for the direct bindings
 #include <torch/library.h>
 
 #include <algorithm>
@@ -43,6 +42,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "bindings.h"
 #include "isa.h"
 #include "parallel.h"
 #include "vec.h"
@@ -299,9 +299,9 @@ std::string set_isa(const std::string& name) {
 }  // namespace
 
 void llmserve_bind_paged_attention(pybind11::module_& m) {
-  m.def("paged_decode_attention", &paged_decode_attention);
-  m.def("decode_attention", &decode_attention);
-  m.def("paged_attention", &paged_attention);
+  m.def("paged_decode_attention", &paged_decode_attention, ReleaseGil());
+  m.def("decode_attention", &decode_attention, ReleaseGil());
+  m.def("paged_attention", &paged_attention, ReleaseGil());
 }
 
 TORCH_LIBRARY(llmserve_cpu, m) {

@@ -38,7 +38,7 @@ LIBRARY = NativeLibrary(
     name="llmserve_cpu_quant",
     namespace="llmserve_quant",
     sources=[_HERE / n for n in ("quant_gemm.cpp", "quant_float.cpp", "quant_bindings.cpp")],
-    headers=[_HERE / "quant_gemm.h"],
+    headers=[_HERE / n for n in ("bindings.h", "quant_gemm.h")],
     cflags=[],
     probe_ops=("quant_linear", "quant_linear_f32"),
 )

@@ -1,5 +1,5 @@
 // Direct Python bindings of the quantized linears (see kernels_bindings.cpp for why).
-#include <torch/csrc/utils/pybind.h>  // pybind11 and its at::Tensor caster: a quarter of torch/extension.h's parse time
+#include "bindings.h"
 
 void llmserve_bind_quant_gemm(pybind11::module_& m);
 void llmserve_bind_quant_float(pybind11::module_& m);

@@ -19,7 +19,6 @@
 // No -march: the hot loops are compiled for x86-64-v4 (AVX-512), v3 (AVX2+FMA) and the
 // baseline by GCC's target_clones, which picks one when the library loads.
 #include <ATen/Parallel.h>
-#include <torch/csrc/utils/pybind.h>  // pybind11 and its at::Tensor caster, for the direct bindings
 #include <torch/library.h>
 #include <ATen/ATen.h>
 
@@ -29,6 +28,8 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#include "bindings.h"
 
 namespace {
 
@@ -548,7 +549,7 @@ at::Tensor quant_linear_f32(const at::Tensor& x_in, const at::Tensor& qweight, c
 
 }  // namespace
 
-void llmserve_bind_quant_float(pybind11::module_& m) { m.def("quant_linear_f32", &quant_linear_f32); }
+void llmserve_bind_quant_float(pybind11::module_& m) { m.def("quant_linear_f32", &quant_linear_f32, ReleaseGil()); }
 
 TORCH_LIBRARY_FRAGMENT(llmserve_quant, m) {
   m.def(

@@ -22,11 +22,11 @@
 // their own target attributes and are chosen at run time by __builtin_cpu_supports, so one
 // build runs on AVX2-only and AVX-512 hosts alike. "scalar" is portable C++.
 
+#include "bindings.h"
 #include "quant_gemm.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/csrc/utils/pybind.h>  // pybind11 and its at::Tensor caster, for the direct bindings
 #include <torch/library.h>
 
 #include <algorithm>
@@ -507,7 +507,7 @@ std::string resolve_isa(const std::string& isa) { return isa_name(parse_isa(isa)
 }  // namespace
 }  // namespace llmserve_quant
 
-void llmserve_bind_quant_gemm(pybind11::module_& m) { m.def("quant_linear", &llmserve_quant::quant_linear); }
+void llmserve_bind_quant_gemm(pybind11::module_& m) { m.def("quant_linear", &llmserve_quant::quant_linear, ReleaseGil()); }
 
 TORCH_LIBRARY(llmserve_quant, m) {
   m.def("quantize_activations(Tensor x) -> (Tensor, Tensor)");
