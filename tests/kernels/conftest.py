@@ -52,7 +52,8 @@ def kernels():
 @pytest.fixture(params=cpu_kernels.ISAS)
 def isa(request):
     """Each instruction-set path of the C++ CPU kernels in turn, skipping those this CPU
-    lacks (CI on an AVX2-only host still runs the AVX2 and scalar ones)."""
+    lacks (CI on an AVX2-only host still runs the AVX2 and scalar ones, and avx2_w16: the
+    AVX-512 code's shape on AVX2 instructions)."""
     assert cpu_kernels.available(), "the C++ CPU kernels failed to build (see the log)"
     if request.param not in cpu_kernels.supported_isas():
         pytest.skip(f"this CPU cannot run the {request.param} kernels")

@@ -4,11 +4,13 @@ in float32 and bfloat16, against plain torch in float32.
 A bf16 kernel reads bf16, computes in fp32 and rounds once when it stores, so it is compared
 with the fp32 reference on the same (bf16-representable) inputs within bf16 tolerance. The
 paths are forced with ``forced_isa``; on an AVX2-only host the AVX-512 cases skip, and CI on
-such a host still runs the AVX2 and scalar ones.
+such a host still runs the AVX2 and scalar ones, and ``avx2_w16``: the AVX-512 code's 16-lane
+shape (tiles, head groups, tails) on pairs of AVX2 vectors, so its logic is checked there too.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
@@ -214,4 +216,28 @@ def test_bf16_rounds_to_nearest_even_and_keeps_nan(isa):
 def test_forcing_an_unknown_isa_raises():
     with pytest.raises(RuntimeError, match="isa must be one of"):
         with cpu_kernels.forced_isa("avx9000"):
+            pass
+
+
+def _cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as f:
+        flags = next((line for line in f if line.startswith("flags")), ":")
+    return set(flags.split(":")[1].split())
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/cpuinfo"), reason="reads the CPU's flags from Linux")
+def test_auto_takes_the_best_path_this_cpu_has_never_the_test_path():
+    flags = _cpu_flags()
+    avx512 = {"avx512f", "avx512bw", "avx512vl", "fma"} <= flags
+    want = [
+        *(["avx512_bf16"] if avx512 and "avx512_bf16" in flags else []),
+        *(["avx512"] if avx512 else []),
+        *(["avx2", "avx2_w16"] if {"avx2", "fma"} <= flags else []),
+        "scalar",
+    ]
+    assert cpu_kernels.supported_isas() == want
+    with cpu_kernels.forced_isa("auto") as chosen:
+        assert chosen == want[0]
+    with pytest.raises(RuntimeError, match="isa must be one of auto, .*avx2_w16"):
+        with cpu_kernels.forced_isa("avx1024"):
             pass

@@ -19,6 +19,9 @@ the baseline x86-64 target; every body is compiled for AVX-512, AVX2 and plain C
 (isa.h, vec.h) and the path is chosen at run time: the best this CPU runs, or the one named by
 ``LLMSERVE_CPU_ISA`` (``avx512_bf16``, ``avx512``, ``avx2``, ``scalar``) or ``set_isa`` (tests
 force each one); ``avx512_bf16`` is the AVX-512 code plus vdpbf16ps for bf16 attention scores.
+``avx2_w16`` is for tests only, never chosen on its own: the AVX-512 code's 16-lane shape (its
+register tiles, head groups and tails) built from pairs of AVX2 vectors, so an AVX2-only host
+checks the logic that AVX-512 hosts run.
 
 The build (``build.py``) takes about half a minute once per machine and is cached by torch
 (under ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``); one build is safe on
@@ -37,7 +40,7 @@ import torch
 from llmserve.kernels.cpu.build import NativeLibrary
 
 _HERE = Path(__file__).parent
-ISAS = ("avx512_bf16", "avx512", "avx2", "scalar")
+ISAS = ("avx512_bf16", "avx512", "avx2", "avx2_w16", "scalar")
 # no -march: the ISA-specific copies carry target pragmas and are chosen at run time
 LIBRARY = NativeLibrary(
     name="llmserve_cpu_kernels",
@@ -84,7 +87,7 @@ def current_isa() -> str:
 
 
 def supported_isas() -> list[str]:
-    """Every path this CPU can run, best first."""
+    """Every path this CPU can run, best first (``avx2_w16``, a test path, after ``avx2``)."""
     current, supported = current_isa(), []
     for isa in ISAS:
         try:

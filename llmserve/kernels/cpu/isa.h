@@ -6,6 +6,8 @@
 // CPU runs, or the one forced by ``set_isa`` (tests, and ``LLMSERVE_CPU_ISA`` at load time).
 // avx512_bf16 runs the isa_avx512 code, plus the few functions that use AVX512_BF16's
 // dot-product instruction (vdpbf16ps) for bf16 data (attention scores over a transposed K).
+// avx2_w16 is never chosen on its own: it runs the AVX-512 code's 16-lane shape on AVX2
+// instructions (vec.h: Vec256x2), so the tests check that code's logic on any AVX2 host.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -14,12 +16,14 @@
 
 namespace llmserve {
 
-enum class Isa { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
+enum class Isa { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3, kAvx2W16 = 4 };
 
 inline bool cpu_supports(Isa isa) {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
   __builtin_cpu_init();
-  if (isa == Isa::kAvx2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (isa == Isa::kAvx2 || isa == Isa::kAvx2W16) {
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  }
   const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma");
   if (isa == Isa::kAvx512) return avx512;
@@ -53,21 +57,22 @@ inline const char* isa_name(Isa isa) {
     case Isa::kAvx512Bf16: return "avx512_bf16";
     case Isa::kAvx512: return "avx512";
     case Isa::kAvx2: return "avx2";
+    case Isa::kAvx2W16: return "avx2_w16";
     default: return "scalar";
   }
 }
 
-// "auto", "avx512_bf16", "avx512", "avx2" or "scalar" -> the ISA; forcing one this CPU lacks
-// raises
+// "auto", "avx512_bf16", "avx512", "avx2", "avx2_w16" or "scalar" -> the ISA; forcing one
+// this CPU lacks raises
 inline Isa parse_isa(const std::string& name) {
   if (name == "auto") return best_isa();
-  for (Isa isa : {Isa::kAvx512Bf16, Isa::kAvx512, Isa::kAvx2, Isa::kScalar}) {
+  for (Isa isa : {Isa::kAvx512Bf16, Isa::kAvx512, Isa::kAvx2, Isa::kAvx2W16, Isa::kScalar}) {
     if (name == isa_name(isa)) {
       TORCH_CHECK(cpu_supports(isa), "this CPU cannot run the ", name, " kernels");
       return isa;
     }
   }
-  TORCH_CHECK(false, "isa must be one of auto, avx512_bf16, avx512, avx2, scalar; got '", name, "'");
+  TORCH_CHECK(false, "isa must be one of auto, avx512_bf16, avx512, avx2, avx2_w16, scalar; got '", name, "'");
 }
 
 Isa current_isa();             // defined in paged_attention.cpp

@@ -21,6 +21,10 @@ namespace isa_avx2 {
 using Vec = Vec256;
 #include LLMSERVE_ISA_IMPL
 }  // namespace isa_avx2
+namespace isa_avx2_w16 {  // the AVX-512 code's shape on AVX2, for tests (vec.h: Vec256x2)
+using Vec = Vec256x2;
+#include LLMSERVE_ISA_IMPL
+}  // namespace isa_avx2_w16
 }  // namespace
 #pragma GCC pop_options
 
@@ -39,6 +43,7 @@ using Vec = Vec512;
     case llmserve::Isa::kAvx512Bf16:                             \
     case llmserve::Isa::kAvx512: isa_avx512::__VA_ARGS__; break; \
     case llmserve::Isa::kAvx2: isa_avx2::__VA_ARGS__; break;     \
+    case llmserve::Isa::kAvx2W16: isa_avx2_w16::__VA_ARGS__; break; \
     default: isa_scalar::__VA_ARGS__;                            \
   }
 #else

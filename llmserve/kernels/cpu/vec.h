@@ -4,6 +4,8 @@
 //
 //   Vec512     AVX-512F/BW/VL: 16 lanes       Vec256   AVX2 + FMA: 8 lanes
 //   VecScalar  one lane, plain C++ (any CPU)
+//   Vec256x2   16 lanes as two Vec256: the AVX-512 code's shape (its tiles, head groups,
+//              tails) on AVX2 instructions, a path for tests on hosts without AVX-512
 //
 // The x86 structs' functions carry their own target attributes: the library is built for the
 // baseline x86-64 target and picks a path at run time, so one build is safe on every host.
@@ -154,6 +156,56 @@ struct Vec256 {
   }
   LLMSERVE_T256 static void reduce4(Vec256 a0, Vec256 a1, Vec256 a2, Vec256 a3, float* out) {
     _mm_storeu_ps(out, sum4(a0.v, a1.v, a2.v, a3.v));
+  }
+};
+
+// Vec512's 16 lanes and its memory orders (load2's even/odd bf16 split included) from two
+// Vec256: lanes 0-7 in lo, 8-15 in hi. Compiled into the isa_avx2_w16 copy of each kernel
+// (per_isa.h), which a host with AVX2 runs only when forced ("avx2_w16"): the tests put the
+// AVX-512 code's logic through it on every host; it is not meant to be fast.
+struct Vec256x2 {
+  static constexpr int W = 16;
+  Vec256 lo, hi;
+  LLMSERVE_T256 static Vec256x2 zero() { return {Vec256::zero(), Vec256::zero()}; }
+  LLMSERVE_T256 static Vec256x2 set1(float x) { return {Vec256::set1(x), Vec256::set1(x)}; }
+  template <typename T>
+  LLMSERVE_T256 static Vec256x2 load(const T* p) { return {Vec256::load(p), Vec256::load(p + 8)}; }
+  // fp32: the first and second 16; bf16: lane j of a is element 2j, of b element 2j + 1
+  template <typename T>
+  LLMSERVE_T256 static void load2(const T* p, Vec256x2& a, Vec256x2& b) {
+    if constexpr (sizeof(T) == 4) {
+      a = load(p), b = load(p + 16);
+    } else {
+      Vec256::load2(p, a.lo, b.lo), Vec256::load2(p + 16, a.hi, b.hi);
+    }
+  }
+  template <typename T>
+  LLMSERVE_T256 void store(T* p) const { lo.store(p), hi.store(p + 8); }
+  template <typename T>
+  LLMSERVE_T256 static void store2(T* p, Vec256x2 a, Vec256x2 b) {
+    if constexpr (sizeof(T) == 4) {
+      a.store(p), b.store(p + 16);
+    } else {
+      Vec256::store2(p, a.lo, b.lo), Vec256::store2(p + 16, a.hi, b.hi);
+    }
+  }
+#define LLMSERVE_X2(OP) \
+  LLMSERVE_T256 static Vec256x2 OP(Vec256x2 a, Vec256x2 b) { return {Vec256::OP(a.lo, b.lo), Vec256::OP(a.hi, b.hi)}; }
+  LLMSERVE_X2(add)
+  LLMSERVE_X2(sub)
+  LLMSERVE_X2(mul)
+  LLMSERVE_X2(max)
+  LLMSERVE_X2(div)
+#undef LLMSERVE_X2
+  LLMSERVE_T256 static Vec256x2 fma(Vec256x2 a, Vec256x2 b, Vec256x2 c) {
+    return {Vec256::fma(a.lo, b.lo, c.lo), Vec256::fma(a.hi, b.hi, c.hi)};
+  }
+  LLMSERVE_T256 static Vec256x2 exp(Vec256x2 a) { return {Vec256::exp(a.lo), Vec256::exp(a.hi)}; }
+  LLMSERVE_T256 static float reduce_add(Vec256x2 a) { return Vec256::reduce_add(Vec256::add(a.lo, a.hi)); }
+  LLMSERVE_T256 static float reduce_max(Vec256x2 a) { return Vec256::reduce_max(Vec256::max(a.lo, a.hi)); }
+  LLMSERVE_T256 static void reduce4(Vec256x2 a0, Vec256x2 a1, Vec256x2 a2, Vec256x2 a3, float* out) {
+    Vec256::reduce4(Vec256::add(a0.lo, a0.hi), Vec256::add(a1.lo, a1.hi), Vec256::add(a2.lo, a2.hi),
+                    Vec256::add(a3.lo, a3.hi), out);
   }
 };
 
