@@ -136,8 +136,8 @@ def measure(args: argparse.Namespace) -> dict:
         results["vllm_server"] = clients(args, server.url, "vllm")
     finally:
         server.close()
-    server = Server(llmserve_cli("serve", "--dtype", dt, "--port", port, "--served-model-name", NAME,
-                                 "--kv-cache-memory", str(KV_BYTES)),
+    serve = ("serve", "--dtype", dt, "--port", port, "--served-model-name", NAME)
+    server = Server(llmserve_cli(*serve, "--kv-cache-memory", str(KV_BYTES)),
                     out / "llmserve-server.txt", args.port)  # fmt: skip
     try:
         results["llmserve_server"] = clients(args, server.url, "llmserve")
@@ -151,7 +151,8 @@ def measure(args: argparse.Namespace) -> dict:
         out / "off-t2s.txt")  # fmt: skip
     run(llmserve_cli("bench", "throughput", "--workload", "random", "--input-len", "256",
                      "--output-len", "128", "--num-prompts", n, *common,
-                     "--output-json", str(out / "off-random.json")), out / "off-random.txt")  # fmt: skip
+                     "--output-json", str(out / "off-random.json")),
+        out / "off-random.txt")  # fmt: skip
     run(llmserve_cli("bench", "latency", "--workload", "text2sql", "--output-len", "256",
                      "--dtype", dt, "--output-json", str(out / "off-latency.json")),
         out / "off-latency.txt")  # fmt: skip
