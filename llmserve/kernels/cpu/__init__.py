@@ -5,7 +5,8 @@
                           a decode-only step's K/V write and attention in one call;
                           paged_attention: the same for any step (prompt chunks, causal)
     kernels_bindings.cpp  the hot functions bound directly for Python (``_direct()``: no
-                          dispatcher on the per-layer path); all stay registered as torch ops
+                          dispatcher on the per-layer path, the GIL released as each runs:
+                          bindings.h); all stay registered as torch ops
     fused.cpp             rms_norm, fused_add_rms_norm_, silu_and_mul, rotary_interleaved:
                           one pass over memory each (body: fused_impl.h)
     gemm.cpp              linear_f32_pack, linear_f32: the fp32 linear on a weight packed at
