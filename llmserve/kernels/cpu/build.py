@@ -81,7 +81,9 @@ class NativeLibrary:
         if shutil.which("ninja") is None and shutil.which("ninja", path=bin_dir):
             os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
         digest = hashlib.sha256(b"".join(p.read_bytes() for p in self.headers)).hexdigest()
-        logger.info("loading the C++ library %s (built on first use, then cached by torch)", self.name)
+        logger.info(
+            "loading the C++ library %s (built on first use, then cached by torch)", self.name
+        )
         self._module = load(
             name=self.name,
             sources=[str(p) for p in self.sources],
