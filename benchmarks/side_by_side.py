@@ -39,20 +39,20 @@ ROOT = Path(__file__).resolve().parent.parent
 PEER = ROOT / "benchmarks" / "vllm_cpu_peer.py"
 KV_BYTES = 1 << 30  # both engines: 1 GiB of KV cache (vLLM: VLLM_CPU_KVCACHE_SPACE=1)
 NAME = "smollm2"
+CLIENTS = {"vclient-inf": "vLLM's client", "lclient-inf": "llmserve's client"}  # all at once
 FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
          "amx_tile", "amx_bf16")  # fmt: skip
 
 
 def host_info() -> dict:
     """The CPU's name and the flags that choose kernels, the commit, the time."""
-    info = {"time_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "cpus": os.cpu_count()}
-    try:
-        cpuinfo = Path("/proc/cpuinfo").read_text()
-        info["cpu"] = re.search(r"model name\s*:\s*(.*)", cpuinfo).group(1)
-        flags = set(re.search(r"flags\s*:\s*(.*)", cpuinfo).group(1).split())
-        info["flags"] = [f for f in FLAGS if f in flags]
-    except (OSError, AttributeError):
-        pass
+    from llmserve.benchmarks.report import machine_info
+    from llmserve.kernels.cpu.quant import cpu_flags
+
+    machine = machine_info()
+    info = {"time_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+            "cpu": machine["cpu"], "cpus": machine["num_cpus"],
+            "flags": [f for f in FLAGS if f in cpu_flags()]}  # fmt: skip
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True)  # fmt: skip
     info["commit"] = commit.stdout.strip()
@@ -182,10 +182,9 @@ def targets(results: dict) -> list[tuple[str, float, float, str, bool]]:
     """(what, llmserve, vLLM, target, met) for each of issue 17's targets."""
     ours, theirs = results["llmserve_server"], results["vllm_server"]
     rows = []
-    for client in ("vclient-inf", "lclient-inf"):
+    for client, who in CLIENTS.items():
         a, b = ours[client]["output_throughput"], theirs[client]["output_throughput"]
-        who = "vLLM's" if client.startswith("v") else "llmserve's"
-        rows.append((f"all at once, output tok/s ({who} client)", a, b, ">= 1.2x", a >= 1.2 * b))
+        rows.append((f"all at once, output tok/s ({who})", a, b, ">= 1.2x", a >= 1.2 * b))
     a, b = ours["vclient-4"]["mean_tpot_ms"], theirs["vclient-4"]["mean_tpot_ms"]
     rows.append(("4 requests/s, mean TPOT ms", a, b, "below", a < b))
     a = results["off-t2s"]["results"][0]["output_throughput"]
@@ -197,10 +196,9 @@ def targets(results: dict) -> list[tuple[str, float, float, str, bool]]:
     )
     rows.append(("batch 1, 256 tokens, tok/s", a, b, "not below", a >= b))
     offline = results["off-random"]["results"][0]["output_throughput"]
-    for client in ("vclient-inf", "lclient-inf"):
+    for client, who in CLIENTS.items():
         ratio = ours[client]["output_throughput"] / offline
-        who = "vLLM's" if client.startswith("v") else "llmserve's"
-        rows.append((f"server / offline ({who} client)", ratio, float("nan"), ">= 0.95",
+        rows.append((f"server / offline ({who})", ratio, float("nan"), ">= 0.95",
                      ratio >= 0.95))  # fmt: skip
     return rows
 

@@ -24,7 +24,7 @@ force each one); ``avx512_bf16`` is the AVX-512 code plus vdpbf16ps for bf16 att
 register tiles, head groups and tails) built from pairs of AVX2 vectors, so an AVX2-only host
 checks the logic that AVX-512 hosts run.
 
-The build (``build.py``) takes about half a minute once per machine and is cached by torch
+The build (``build.py``) takes about 1.5 minutes on 2 cores once per machine and is cached by torch
 (under ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``); one build is safe on
 any x86-64 host. Without a C++ compiler, or with ``LLMSERVE_CPU_KERNELS=0``, ``available()``
 is False and callers keep their plain-torch path.
