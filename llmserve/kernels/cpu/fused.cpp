@@ -146,7 +146,7 @@ at::Tensor rotary_interleaved(const at::Tensor& x, const at::Tensor& positions, 
 
 }  // namespace
 
-// the same functions for direct calls from Python (bindings.cpp: no dispatcher on the hot path)
+// the same functions for direct calls from Python (kernels_bindings.cpp: no dispatcher on the hot path)
 void llmserve_bind_fused(pybind11::module_& m) {
   m.def("rms_norm", &rms_norm, ReleaseGil());
   m.def("fused_add_rms_norm_", &fused_add_rms_norm_, ReleaseGil());
