@@ -84,17 +84,25 @@ inline void gemm_tail(int64_t r, const float* x, int64_t ldx, const float* w, in
 inline void gemm_rows(const float* x, int64_t ldx, const float* w, int64_t kc, float* y,
                       int64_t ldy, int64_t m0, int64_t m1, bool first, const float* bias,
                       const float* ahead, int64_t ahead_k) {
+  const int64_t tiles = (m1 - m0 + kTileRows - 1) / kTileRows * (kPanel / kTileCols);
+  int64_t t = 0;
   for (int64_t c = 0; c < kPanel; c += kTileCols) {
     const float* bc = bias == nullptr ? nullptr : bias + c;
-    int64_t m = m0;
-    for (; m + kTileRows <= m1; m += kTileRows) {
-      gemm_tile_ahead<kTileRows>(x + m * ldx, ldx, w + c, kc, y + m * ldy + c, ldy, first, bc,
-                                 ahead, ahead_k);
-      ahead = nullptr;  // the first tile asks for the next slice
-    }
-    if (m < m1) {
-      gemm_tail(m1 - m, x + m * ldx, ldx, w + c, kc, y + m * ldy + c, ldy, first, bc, ahead,
-                ahead_k);
+    for (int64_t m = m0; m < m1; m += kTileRows, ++t) {
+      // Tile t asks for its share of the next slice's rows. Asked for all at once by the
+      // first tile (as before), ~400 lines are more than a core keeps in flight, so (most
+      // likely) that tile waited on DRAM while the others had nothing to wait for. Measured on an AVX2 Zen 3 host, the four layer shapes with 30
+      // weight copies, in one process against the first-tile version, five alternated rounds:
+      // +19-23% at M = 32-64, +11-14% at 96-128, even at 8 and 256.
+      const int64_t kb = ahead_k * t / tiles, ke = ahead_k * (t + 1) / tiles;
+      const float* a = ahead != nullptr && ke > kb ? ahead + kb * kPanel : nullptr;
+      if (m + kTileRows <= m1) {
+        gemm_tile_ahead<kTileRows>(x + m * ldx, ldx, w + c, kc, y + m * ldy + c, ldy, first, bc,
+                                   a, ke - kb);
+      } else {
+        gemm_tail(m1 - m, x + m * ldx, ldx, w + c, kc, y + m * ldy + c, ldy, first, bc, a,
+                  ke - kb);
+      }
     }
   }
 }
