@@ -9,6 +9,38 @@
 // hold each chunk in that order; ``slot`` maps element d to its place. The rest is in order.
 constexpr int64_t C = 2 * Vec::W;
 
+// The block a work item reads next, asked for a few cache lines at a time from inside the
+// kernels' loops (step(), once per iteration of their outer loops), so that its misses are
+// spread over the current block's compute instead of issued in one burst. The lines per step
+// come from the steps the previous block took (the same kernels, so the same count but for a
+// sequence's last, partial block); finish() asks for whatever is left.
+struct Ahead {
+  const char* cur = nullptr;
+  const char* end = nullptr;
+  int64_t per_step = 1, steps = 0, last_steps = 0;
+  void begin(const void* p, int64_t bytes) {
+    if (steps > 0) last_steps = steps;
+    steps = 0;
+    cur = static_cast<const char*>(p);
+    end = cur + bytes;
+    per_step = last_steps > 0 ? ((bytes + 63) / 64 + last_steps - 1) / last_steps : 1;
+  }
+  inline void step() {
+    ++steps;
+    for (int64_t j = 0; j < per_step && cur < end; ++j, cur += 64) line(cur);
+  }
+  void finish() {
+    for (; cur < end; cur += 64) line(cur);
+  }
+  static inline void line(const char* c) {  // prefetcht0 (inline asm: see prefetch below)
+#ifdef LLMSERVE_X86
+    asm volatile("prefetcht0 %0" : : "m"(*c));
+#else
+    __builtin_prefetch(c, 0, 3);
+#endif
+  }
+};
+
 template <typename T>
 inline int64_t slot(int64_t d, int64_t D) {
   if (!std::is_same<T, uint16_t>::value || d >= D / C * C) return d;
@@ -30,11 +62,12 @@ constexpr int kAccRegs = Vec::W >= 16 ? 16 : 12;
 // n key rows k_i = k + i * stride. Four rows at a time, summed across lanes together.
 template <int NH, typename T>
 inline void dots(const float* q, const T* k, int64_t stride, int64_t n, int64_t D, float* out,
-                 int64_t os) {
+                 int64_t os, Ahead& ah) {
   constexpr int64_t W = Vec::W;
   const int64_t Dc = D / C * C;
   int64_t i = 0;
   for (; i + 4 <= n; i += 4) {
+    ah.step();
     const T* k0 = k + i * stride;
     Vec a[NH][4];
     for (int h = 0; h < NH; ++h) {
@@ -85,7 +118,7 @@ inline void dots(const float* q, const T* k, int64_t stride, int64_t n, int64_t 
 // natural order). Lanes past n (inside the block) are computed and stored, never read.
 template <int NH, typename T>
 inline void dots_t(const float* q, const T* kt, int64_t bs, int64_t n, int64_t D, float* out,
-                   int64_t os) {
+                   int64_t os, Ahead& ah) {
   constexpr int64_t W = Vec::W;
   constexpr int U = 4;  // partial sums per head: four FMA chains in flight each
   int64_t t0 = 0;
@@ -96,6 +129,7 @@ inline void dots_t(const float* q, const T* kt, int64_t bs, int64_t n, int64_t D
     }
     int64_t d = 0;
     for (; d + U <= D; d += U) {
+      ah.step();
       for (int u = 0; u < U; ++u) {
         const Vec k = Vec::load(kt + (d + u) * bs + t0);
         for (int h = 0; h < NH; ++h) a[h][u] = Vec::fma(Vec::set1(q[h * D + d + u]), k, a[h][u]);
@@ -126,7 +160,7 @@ inline void dots_t(const float* q, const T* kt, int64_t bs, int64_t n, int64_t D
 // Same contract as dots_t: lanes past n (inside the block) are computed and stored, unread.
 template <int NH, typename T>
 inline void dots_t2(const float* q, const T* kt, int64_t bs, int64_t n, int64_t D, float* out,
-                    int64_t os) {
+                    int64_t os, Ahead& ah) {
   constexpr int64_t W = Vec::W;
   constexpr int U = NH >= 4 ? 1 : 2;  // partial sums per (head, vector)
   for (int64_t t0 = 0; t0 < n; t0 += 2 * W) {
@@ -145,6 +179,7 @@ inline void dots_t2(const float* q, const T* kt, int64_t bs, int64_t n, int64_t 
     };
     int64_t d = 0;
     for (; d + U <= D; d += U) {
+      ah.step();
       for (int u = 0; u < U; ++u) step(d + u, u);
     }
     for (; d < D; ++d) step(d, 0);
@@ -178,7 +213,7 @@ constexpr int kMaxValueHeads = Vec::W == 8 ? 4 : kMaxHeads;
 template <int NH>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c"))) inline void
 dots_t_dpbf16(const uint32_t* qw, const uint16_t* kt, int64_t bs, int64_t n, int64_t D,
-              float scale, float* out, int64_t os) {
+              float scale, float* out, int64_t os, Ahead& ah) {
   constexpr int U = 4;
   const int64_t P = D / 2;  // query pairs per head
   // word j of the result = 16-bit lanes j (row d) and 16 + j (row d + 1)
@@ -206,6 +241,7 @@ dots_t_dpbf16(const uint32_t* qw, const uint16_t* kt, int64_t bs, int64_t n, int
     };
     int64_t p = 0;
     for (; p + U <= P; p += U) {
+      ah.step();
       for (int u = 0; u < U; ++u) step(p + u, u);
     }
     for (; p < P; ++p) step(p, 0);
@@ -232,23 +268,23 @@ dots_t_dpbf16(const uint32_t* qw, const uint16_t* kt, int64_t bs, int64_t n, int
 // go to out + j * os
 template <int NH, typename T>
 inline void block_scores(const Shape& sh, const Scratch& w, int64_t h, int64_t g, const T* kb,
-                         int64_t n, float* out, int64_t os) {
+                         int64_t n, float* out, int64_t os, Ahead& ah) {
   const int64_t D = sh.head_dim, bs = sh.block_size;
-  if (!sh.k_t) return dots<NH>(w.q.data() + h * D, kb + g * D, sh.row, n, D, out, os);
+  if (!sh.k_t) return dots<NH>(w.q.data() + h * D, kb + g * D, sh.row, n, D, out, os, ah);
 #ifdef LLMSERVE_X86
   if constexpr (Vec::W == 16 && std::is_same<T, uint16_t>::value) {
     if (sh.dp_bf16) {
       return dots_t_dpbf16<NH>(w.qw.data() + h * (D / 2), kb + g * D * bs, bs, n, D, sh.scale,
-                               out, os);
+                               out, os, ah);
     }
   }
 #endif
   if constexpr (Vec::W == 8) {
     if (bs % (2 * Vec::W) == 0) {
-      return dots_t2<NH>(w.q.data() + h * D, kb + g * D * bs, bs, n, D, out, os);
+      return dots_t2<NH>(w.q.data() + h * D, kb + g * D * bs, bs, n, D, out, os, ah);
     }
   }
-  dots_t<NH>(w.q.data() + h * D, kb + g * D * bs, bs, n, D, out, os);
+  dots_t<NH>(w.q.data() + h * D, kb + g * D * bs, bs, n, D, out, os, ah);
 }
 
 // Query head h's row src (D elements) into the scratch: w.q = scale * q as fp32, in the order
@@ -345,7 +381,7 @@ inline void exp_inplace(float* x, int64_t n) {
 // accumulators stay in registers over the block's rows, each V chunk is widened once.
 template <int NC, int NH, typename T>
 inline void accumulate_rows(float* acc, int64_t D, const float* p, int64_t ps, const T* v,
-                            int64_t stride, int64_t n, const float* correction) {
+                            int64_t stride, int64_t n, const float* correction, Ahead& ah) {
   constexpr int64_t W = Vec::W;
   Vec a[NH][2 * NC], w[NH], x0, x1;
   for (int h = 0; h < NH; ++h) {
@@ -353,6 +389,7 @@ inline void accumulate_rows(float* acc, int64_t D, const float* p, int64_t ps, c
     for (int j = 0; j < 2 * NC; ++j) a[h][j] = Vec::mul(Vec::load(acc + h * D + j * W), c);
   }
   for (int64_t i = 0; i < n; ++i) {
+    ah.step();
     for (int h = 0; h < NH; ++h) w[h] = Vec::set1(p[h * ps + i]);
     const T* row = v + i * stride;
     for (int j = 0; j < NC; ++j) {
@@ -370,14 +407,16 @@ inline void accumulate_rows(float* acc, int64_t D, const float* p, int64_t ps, c
 
 template <int NH, typename T>
 inline void accumulate(float* acc, const float* p, int64_t ps, const T* v, int64_t stride,
-                       int64_t n, int64_t D, const float* correction) {
+                       int64_t n, int64_t D, const float* correction, Ahead& ah) {
   constexpr int NC = kAccRegs / (2 * NH) >= 4 ? 4 : kAccRegs / (2 * NH) >= 2 ? 2 : 1;
   const int64_t Dc = D / C * C;
   int64_t d = 0;
   for (; d + NC * C <= Dc; d += NC * C) {
-    accumulate_rows<NC, NH>(acc + d, D, p, ps, v + d, stride, n, correction);
+    accumulate_rows<NC, NH>(acc + d, D, p, ps, v + d, stride, n, correction, ah);
   }
-  for (; d < Dc; d += C) accumulate_rows<1, NH>(acc + d, D, p, ps, v + d, stride, n, correction);
+  for (; d < Dc; d += C) {
+    accumulate_rows<1, NH>(acc + d, D, p, ps, v + d, stride, n, correction, ah);
+  }
   for (int h = 0; h < NH; ++h) {
     for (int64_t e = d; e < D; ++e) {
       float a = acc[h * D + e] * correction[h];
@@ -438,39 +477,59 @@ void attend_chunk(const Shape& sh, const T* k_cache, const T* v_cache, const int
   std::fill(m, m + H, -std::numeric_limits<float>::infinity());
   std::fill(l, l + H, 0.f);
   const int64_t row_bytes = sh.row * int64_t(sizeof(T));
-  // Blocks are scattered, so no hardware prefetcher finds the next one: K blocks are asked
-  // for before this block's scores, V blocks before this block's V pass (not in one burst
-  // with K: 10% faster on Zen 5). Which hint depends on the vendor (cpu_is_amd, measured):
-  // - AMD (Zen 5, engine, bf16 random 256/128): the next block into L1 (prefetcht0) and the
-  //   one after it with prefetchnta took 14% off decode attention; t0/t1/t2 two ahead, or nta
-  //   three or more, gained less or lost.
+  // Blocks are scattered, so no hardware prefetcher finds the next one; how they are asked
+  // for depends on the vendor (cpu_is_amd, measured):
+  // - AMD: the next block in read order (a step's K blocks, then its V blocks, then the next
+  //   step's K blocks) into L1, spread over the current block's loops (Ahead). Measured on an
+  //   AVX2 Zen 3 host (benchmarks.decode_attention shapes, batch 64, 172 and 384 tokens, one
+  //   process, seven alternated rounds) against the scheme measured best on Zen 5 before (the
+  //   next block with prefetcht0 and the one after with prefetchnta, each in one burst when
+  //   its block starts): 8.4 -> 11.7 GB/s fp32 at 172 tokens, 8.1 -> 10.4 at 384, bf16 8.6 ->
+  //   13.1 and 9.2 -> 14.2, batch 4 x 2048 (split) 9.6 -> 14.2. prefetcht2 measured even;
+  //   adding the two-ahead burst back lost 2-7%. A burst of ~200 lines is more than a core
+  //   keeps in flight, so the loads behind it waited (most likely).
   // - Intel (Sapphire Rapids, benchmarks.decode_attention, batch 64, 172-320 tokens, block
-  //   16): that scheme read 7.1-7.6 GB/s, half of no prefetch at all (15.2-16.2): nta and t0
-  //   bursts hold the line-fill buffers and the loads behind them wait. The block two ahead
-  //   into L2 (prefetcht2) reads 17.6-18.5 GB/s fp32, 14.5-15.7 bf16 (memory 23.9 GB/s).
+  //   16): the old AMD scheme read 7.1-7.6 GB/s there, half of no prefetch at all (15.2-16.2):
+  //   nta and t0 bursts hold the line-fill buffers and the loads behind them wait. The block
+  //   two ahead into L2 (prefetcht2) reads 17.6-18.5 GB/s fp32, 14.5-15.7 bf16 (memory 23.9
+  //   GB/s); kept so (the spread scheme is not measured on Intel).
   // Prompt rows re-read their sequence's blocks item after item: a context that fits the
   // caches is not asked for (the asking cost 5% of the prompt attention at 256 tokens).
   const bool ask = limits == nullptr || (t1 - t0) * row_bytes * 2 > kCachedContextBytes;
-  const bool amd = ::llmserve::cpu_is_amd();
-  auto ask_ahead = [&](const T* pool, int64_t b0) {
+  const bool spread = ::llmserve::cpu_is_amd();
+  const int64_t block_bytes = bs * row_bytes;
+  Ahead k_ahead, v_ahead;  // left empty on Intel: step() then asks for nothing
+  // before block b0 (of the step [s0, s0 + sn)) of the K pass (is_k) or the V pass
+  auto ask_ahead = [&](bool is_k, int64_t b0, int64_t s0, int64_t sn) {
     if (!ask) return;
-    if (amd && b0 + bs < t1) prefetch<3>(pool + table[b0 / bs + 1] * bs * sh.row, std::min(bs, t1 - b0 - bs) * row_bytes);
-    if (b0 + 2 * bs >= t1) return;
-    const T* two_ahead = pool + table[b0 / bs + 2] * bs * sh.row;
-    const int64_t bytes = std::min(bs, t1 - b0 - 2 * bs) * row_bytes;
-    amd ? prefetch<0>(two_ahead, bytes) : prefetch<1>(two_ahead, bytes);
+    const T* pool = is_k ? k_cache : v_cache;
+    if (!spread) {
+      if (b0 + 2 * bs < t1) {
+        prefetch<1>(pool + table[b0 / bs + 2] * bs * sh.row,
+                    std::min(bs, t1 - b0 - 2 * bs) * row_bytes);
+      }
+      return;
+    }
+    int64_t next = b0 + bs;
+    if (next >= s0 + sn) {  // the pass's last block: the other pass's first one
+      pool = is_k ? v_cache : k_cache;
+      next = is_k ? s0 : s0 + sn;
+      if (next >= t1) return;
+    }
+    (is_k ? k_ahead : v_ahead).begin(pool + table[next / bs] * bs * sh.row, block_bytes);
   };
   for (int64_t s0 = t0; s0 < t1; s0 += stride) {
     const int64_t sn = std::min(stride, t1 - s0);  // the step's tokens
     for (int64_t b0 = s0; b0 < s0 + sn; b0 += bs) {
       const T* kb = k_cache + table[b0 / bs] * bs * sh.row;  // token i: kb + i * row
       const int64_t n = std::min(bs, t1 - b0);
-      ask_ahead(k_cache, b0);
+      ask_ahead(true, b0, s0, sn);
       auto scores = [&](auto nh, int64_t h, int64_t g) {
         block_scores<decltype(nh)::value>(sh, w, h, g, kb, n,
-                                          w.scores.data() + h * stride + (b0 - s0), stride);
+                                          w.scores.data() + h * stride + (b0 - s0), stride, k_ahead);
       };
       sh.k_t ? for_head_groups<kMaxScoreHeads>(sh, scores) : for_head_groups(sh, scores);
+      k_ahead.finish();
     }
     if (limits != nullptr) mask_beyond(limits, H, s0, sn, w.scores.data(), stride);
     for (int64_t h = 0; h < H; ++h) {
@@ -486,12 +545,13 @@ void attend_chunk(const Shape& sh, const T* k_cache, const T* v_cache, const int
       const T* vb = v_cache + table[b0 / bs] * bs * sh.row;
       const int64_t n = std::min(bs, t1 - b0);
       const float* correction = b0 == s0 ? w.correction.data() : w.ones.data();
-      ask_ahead(v_cache, b0);
+      ask_ahead(false, b0, s0, sn);
       auto values = [&](auto nh, int64_t h, int64_t g) {
         accumulate<decltype(nh)::value>(acc + h * D, w.scores.data() + h * stride + (b0 - s0),
-                                        stride, vb + g * D, sh.row, n, D, correction + h);
+                                        stride, vb + g * D, sh.row, n, D, correction + h, v_ahead);
       };
       for_head_groups<kMaxValueHeads>(sh, values);
+      v_ahead.finish();
     }
   }
 }
