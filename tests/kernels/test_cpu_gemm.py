@@ -87,13 +87,19 @@ def test_linear_f32_refuses_a_mismatched_weight():
         cpu_kernels.linear_f32_pack(torch.randn(10, 16, dtype=torch.bfloat16))
 
 
-def test_packed_linear_uses_own_gemm_for_fp32_and_onednn_for_the_lm_head():
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
+def test_packed_linear_uses_own_gemm_for_fp32_and_the_lm_head_kernel_of_the_isa(isa):
+    """Layers take llmserve's GEMM; the LM head's width takes oneDNN with AVX-512, ours with
+    AVX2 (measured faster on each)."""
+    if isa not in cpu_kernels.supported_isas():
+        pytest.skip(f"this CPU does not run {isa}")
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 96), nn.Linear(96, MAX_OWN_GEMM_FEATURES + 1, bias=False))
     x = torch.randn(5, 64)
     want = model(x)
-    assert pack_linear_layers(model) == 2
-    first, head = model[0], model[1]
-    assert isinstance(first, PackedLinear) and first.own_gemm
-    assert isinstance(head, PackedLinear) and not head.own_gemm
-    torch.testing.assert_close(model(x), want, rtol=1e-4, atol=1e-4)
+    with cpu_kernels.forced_isa(isa):
+        assert pack_linear_layers(model) == 2
+        first, head = model[0], model[1]
+        assert isinstance(first, PackedLinear) and first.own_gemm
+        assert isinstance(head, PackedLinear) and head.own_gemm == (isa == "avx2")
+        torch.testing.assert_close(model(x), want, rtol=1e-4, atol=1e-4)
