@@ -55,9 +55,7 @@ class PackedLinear(nn.Module):
         self.own_gemm = (
             weight.dtype == torch.float32
             and cpu_kernels.available()
-            and (
-                self.out_features <= MAX_OWN_GEMM_FEATURES or cpu_kernels.current_isa() == "avx2"
-            )
+            and (self.out_features <= MAX_OWN_GEMM_FEATURES or cpu_kernels.current_isa() == "avx2")
         )
         if self.own_gemm:
             self.packed_weight = cpu_kernels.linear_f32_pack(weight)
