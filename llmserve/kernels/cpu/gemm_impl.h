@@ -15,8 +15,8 @@ static_assert(kPanel % kTileCols == 0, "a panel must split into whole tiles");
 
 // y[r, c] (+)= sum_k x[r, k] w[k, c] for R rows, the kTileCols columns at w (panel rows of
 // kPanel floats, kc of them); ``first``: start from zero, else add to y; ``bias`` (last slice
-// only, else null) is added before the store. kAhead: ``ahead`` is the next panel slice the
-// thread reads (``ahead_k`` rows of it), asked for row by row beside this one's loads.
+// only, else null) is added before the store. kAhead: ``ahead`` is this tile's share of the
+// next panel slice the thread reads (``ahead_k`` rows), asked for row by row beside its loads.
 template <int R, bool kAhead>
 inline void gemm_tile(const float* x, int64_t ldx, const float* w, int64_t kc, float* y,
                       int64_t ldy, bool first, const float* bias, const float* ahead,
@@ -84,16 +84,16 @@ inline void gemm_tail(int64_t r, const float* x, int64_t ldx, const float* w, in
 inline void gemm_rows(const float* x, int64_t ldx, const float* w, int64_t kc, float* y,
                       int64_t ldy, int64_t m0, int64_t m1, bool first, const float* bias,
                       const float* ahead, int64_t ahead_k) {
+  // Tile t asks for its share of the next slice's rows. Asked for all at once by the first
+  // tile, ~400 lines are more than a core keeps in flight, so (most likely) that tile waits
+  // on DRAM while the others have nothing to wait for. Measured on an AVX2 Zen 3 host, the
+  // four layer shapes with 30 weight copies, in one process against the first-tile version,
+  // five alternated rounds: +19-23% at M = 32-64, +11-14% at 96-128, even at 8 and 256.
   const int64_t tiles = (m1 - m0 + kTileRows - 1) / kTileRows * (kPanel / kTileCols);
   int64_t t = 0;
   for (int64_t c = 0; c < kPanel; c += kTileCols) {
     const float* bc = bias == nullptr ? nullptr : bias + c;
     for (int64_t m = m0; m < m1; m += kTileRows, ++t) {
-      // Tile t asks for its share of the next slice's rows. Asked for all at once by the
-      // first tile (as before), ~400 lines are more than a core keeps in flight, so (most
-      // likely) that tile waited on DRAM while the others had nothing to wait for. Measured on an AVX2 Zen 3 host, the four layer shapes with 30
-      // weight copies, in one process against the first-tile version, five alternated rounds:
-      // +19-23% at M = 32-64, +11-14% at 96-128, even at 8 and 256.
       const int64_t kb = ahead_k * t / tiles, ke = ahead_k * (t + 1) / tiles;
       const float* a = ahead != nullptr && ke > kb ? ahead + kb * kPanel : nullptr;
       if (m + kTileRows <= m1) {

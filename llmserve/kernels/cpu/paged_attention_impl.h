@@ -9,35 +9,54 @@
 // hold each chunk in that order; ``slot`` maps element d to its place. The rest is in order.
 constexpr int64_t C = 2 * Vec::W;
 
-// The block a work item reads next, asked for a few cache lines at a time from inside the
-// kernels' loops (step(), once per iteration of their outer loops), so that its misses are
-// spread over the current block's compute instead of issued in one burst. The lines per step
-// come from the steps the previous block took (the same kernels, so the same count but for a
-// sequence's last, partial block); finish() asks for whatever is left.
+// ask for the cache lines of [p, p + bytes) ahead of their use; Locality is
+// __builtin_prefetch's: 3 = prefetcht0 (into L1), 1 = prefetcht2 (into L2), 0 = prefetchnta.
+// On x86 through inline asm: GCC deletes a loop of nothing but __builtin_prefetch as free of
+// side effects.
+template <int Locality>
+inline void prefetch(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) {
+#ifdef LLMSERVE_X86
+    if constexpr (Locality == 0) {
+      asm volatile("prefetchnta %0" : : "m"(c[off]));
+    } else if constexpr (Locality == 1) {
+      asm volatile("prefetcht2 %0" : : "m"(c[off]));
+    } else {
+      asm volatile("prefetcht0 %0" : : "m"(c[off]));
+    }
+#else
+    __builtin_prefetch(c + off, 0, Locality);
+#endif
+  }
+}
+
+// The block a work item reads next, asked for (prefetch<3>) a few cache lines at a time from
+// inside the kernels' loops (step(), once per iteration of their outer loops), so that its
+// misses are spread over the current block's compute instead of issued in one burst. The
+// lines per step come from the steps the previous block took (the same kernels, so the same
+// count but for a sequence's last, partial block); finish() asks for whatever is left.
 struct Ahead {
   const char* cur = nullptr;
   const char* end = nullptr;
-  int64_t per_step = 1, steps = 0, last_steps = 0;
+  int64_t per_step = 1, steps = 0;
   void begin(const void* p, int64_t bytes) {
-    if (steps > 0) last_steps = steps;
+    per_step = steps > 0 ? ((bytes + 63) / 64 + steps - 1) / steps : 1;
     steps = 0;
     cur = static_cast<const char*>(p);
     end = cur + bytes;
-    per_step = last_steps > 0 ? ((bytes + 63) / 64 + last_steps - 1) / last_steps : 1;
   }
   inline void step() {
     ++steps;
-    for (int64_t j = 0; j < per_step && cur < end; ++j, cur += 64) line(cur);
+    const int64_t n = std::min<int64_t>(per_step * 64, end - cur);
+    if (n > 0) {
+      prefetch<3>(cur, n);
+      cur += n;
+    }
   }
   void finish() {
-    for (; cur < end; cur += 64) line(cur);
-  }
-  static inline void line(const char* c) {  // prefetcht0 (inline asm: see prefetch below)
-#ifdef LLMSERVE_X86
-    asm volatile("prefetcht0 %0" : : "m"(*c));
-#else
-    __builtin_prefetch(c, 0, 3);
-#endif
+    prefetch<3>(cur, end - cur);
+    cur = end;
   }
 };
 
@@ -339,28 +358,6 @@ inline float exp_and_sum(float* s, int64_t n, float mx) {
     acc = Vec::add(acc, e);
   }
   return Vec::reduce_add(acc);
-}
-
-// ask for the cache lines of [p, p + bytes) ahead of their use; Locality is
-// __builtin_prefetch's: 3 = prefetcht0 (into L1), 1 = prefetcht2 (into L2), 0 = prefetchnta.
-// On x86 through inline asm: GCC deletes a loop of nothing but __builtin_prefetch as free of
-// side effects.
-template <int Locality>
-inline void prefetch(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t off = 0; off < bytes; off += 64) {
-#ifdef LLMSERVE_X86
-    if constexpr (Locality == 0) {
-      asm volatile("prefetchnta %0" : : "m"(c[off]));
-    } else if constexpr (Locality == 1) {
-      asm volatile("prefetcht2 %0" : : "m"(c[off]));
-    } else {
-      asm volatile("prefetcht0 %0" : : "m"(c[off]));
-    }
-#else
-    __builtin_prefetch(c + off, 0, Locality);
-#endif
-  }
 }
 
 // x[i] = exp(x[i]) for i < n
