@@ -9,8 +9,8 @@ weight packed once skips that. Two kernels:
   64, weights from DRAM: 400-420 GFLOP/s against oneDNN's 310-360, equal at prompt sizes).
   The LM head (more than ``MAX_OWN_GEMM_FEATURES`` outputs) stays with oneDNN where the
   kernels run AVX-512 (oneDNN measured faster on that shape there); with AVX2 it takes ours
-  too (Zen 3, [M, 576] x [576, 49152], in one process against oneDNN, five alternated rounds:
-  1.18x at M = 64, 1.04x at 128, even at 1-16).
+  too (Zen 3, [M, 576] x [576, 49152], in one process against oneDNN, five alternated rounds,
+  two runs: 1.13-1.18x at M = 64, 1.04-1.06x at 128, 0.86-1.07x at 1-16).
 - otherwise oneDNN's blocked layout (1.3-2x ``F.linear``); bf16 weights are packed only where
   oneDNN runs bf16 natively (AVX512_BF16 or AMX; fp32 accumulation inside).
 
