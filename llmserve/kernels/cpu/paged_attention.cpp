@@ -100,6 +100,7 @@ constexpr int64_t kStepTokens = 128;
 inline int64_t step_blocks(int64_t block_size) {
   return std::max<int64_t>(1, kStepTokens / block_size);
 }
+constexpr int64_t kMaxStepBlocks = kStepTokens;  // step_blocks at block size 1
 
 struct Scratch {
   std::vector<float> q, scores, acc, m, l, correction, ones;

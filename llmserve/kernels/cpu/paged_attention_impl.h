@@ -374,26 +374,32 @@ inline void exp_inplace(float* x, int64_t n) {
 }
 
 // For NH heads h (acc_h = acc + h * D, p_h = p + h * ps): elements [0, NC * C) of acc_h =
-// acc_h * correction[h] + sum_i p_h[i] v_i (chunk order), v_i = v + i * stride; the
-// accumulators stay in registers over the block's rows, each V chunk is widened once.
-template <int NC, int NH, typename T>
-inline void accumulate_rows(float* acc, int64_t D, const float* p, int64_t ps, const T* v,
-                            int64_t stride, int64_t n, const float* correction, Ahead& ah) {
+// acc_h * correction[h] + sum_i p_h[i] v_i (chunk order) over n rows v_i that lie in blocks
+// of bs rows: row i = blocks[i / bs] + (i % bs) * stride. The accumulators stay in registers
+// over all n rows, each V chunk is widened once.
+template <int NC, int NH, bool kStep, typename T>
+inline void accumulate_rows(float* acc, int64_t D, const float* p, int64_t ps,
+                            const T* const* blocks, int64_t bs, int64_t stride, int64_t n,
+                            const float* correction, Ahead* ah) {
   constexpr int64_t W = Vec::W;
   Vec a[NH][2 * NC], w[NH], x0, x1;
   for (int h = 0; h < NH; ++h) {
     const Vec c = Vec::set1(correction[h]);
     for (int j = 0; j < 2 * NC; ++j) a[h][j] = Vec::mul(Vec::load(acc + h * D + j * W), c);
   }
-  for (int64_t i = 0; i < n; ++i) {
-    ah.step();
-    for (int h = 0; h < NH; ++h) w[h] = Vec::set1(p[h * ps + i]);
-    const T* row = v + i * stride;
-    for (int j = 0; j < NC; ++j) {
-      Vec::load2(row + j * C, x0, x1);
-      for (int h = 0; h < NH; ++h) {
-        a[h][2 * j] = Vec::fma(w[h], x0, a[h][2 * j]);
-        a[h][2 * j + 1] = Vec::fma(w[h], x1, a[h][2 * j + 1]);
+  for (int64_t b0 = 0; b0 < n; b0 += bs) {
+    const T* v = blocks[b0 / bs];
+    const int64_t bn = std::min(bs, n - b0);
+    for (int64_t i = 0; i < bn; ++i) {
+      if constexpr (kStep) ah->step();
+      for (int h = 0; h < NH; ++h) w[h] = Vec::set1(p[h * ps + b0 + i]);
+      const T* row = v + i * stride;
+      for (int j = 0; j < NC; ++j) {
+        Vec::load2(row + j * C, x0, x1);
+        for (int h = 0; h < NH; ++h) {
+          a[h][2 * j] = Vec::fma(w[h], x0, a[h][2 * j]);
+          a[h][2 * j + 1] = Vec::fma(w[h], x1, a[h][2 * j + 1]);
+        }
       }
     }
   }
@@ -402,22 +408,36 @@ inline void accumulate_rows(float* acc, int64_t D, const float* p, int64_t ps, c
   }
 }
 
+// accumulate_rows over all of D: V rows of KV head g at blocks[b] + off (off = g * D)
 template <int NH, typename T>
-inline void accumulate(float* acc, const float* p, int64_t ps, const T* v, int64_t stride,
-                       int64_t n, int64_t D, const float* correction, Ahead& ah) {
+inline void accumulate(float* acc, const float* p, int64_t ps, const T* const* blocks,
+                       int64_t off, int64_t bs, int64_t stride, int64_t n, int64_t D,
+                       const float* correction, Ahead* ah) {
   constexpr int NC = kAccRegs / (2 * NH) >= 4 ? 4 : kAccRegs / (2 * NH) >= 2 ? 2 : 1;
   const int64_t Dc = D / C * C;
+  const T* at[kMaxStepBlocks];  // the blocks' rows from element d on
+  const int64_t nb = (n + bs - 1) / bs;
+  auto from = [&](int64_t d) {
+    for (int64_t b = 0; b < nb; ++b) at[b] = blocks[b] + off + d;
+    return at;
+  };
   int64_t d = 0;
-  for (; d + NC * C <= Dc; d += NC * C) {
-    accumulate_rows<NC, NH>(acc + d, D, p, ps, v + d, stride, n, correction, ah);
-  }
-  for (; d < Dc; d += C) {
-    accumulate_rows<1, NH>(acc + d, D, p, ps, v + d, stride, n, correction, ah);
-  }
+  auto rows = [&](auto nc) {
+    constexpr int kNC = decltype(nc)::value;
+    if (ah != nullptr) {
+      accumulate_rows<kNC, NH, true>(acc + d, D, p, ps, from(d), bs, stride, n, correction, ah);
+    } else {
+      accumulate_rows<kNC, NH, false>(acc + d, D, p, ps, from(d), bs, stride, n, correction, ah);
+    }
+  };
+  for (; d + NC * C <= Dc; d += NC * C) rows(std::integral_constant<int, NC>{});
+  for (; d < Dc; d += C) rows(std::integral_constant<int, 1>{});
   for (int h = 0; h < NH; ++h) {
     for (int64_t e = d; e < D; ++e) {
       float a = acc[h * D + e] * correction[h];
-      for (int64_t i = 0; i < n; ++i) a += p[h * ps + i] * to_f32(v[i * stride + e]);
+      for (int64_t i = 0; i < n; ++i) {
+        a += p[h * ps + i] * to_f32(blocks[i / bs][off + (i % bs) * stride + e]);
+      }
       acc[h * D + e] = a;
     }
   }
@@ -538,14 +558,26 @@ void attend_chunk(const Shape& sh, const T* k_cache, const T* v_cache, const int
     for (int64_t h = 0; h < H; ++h) {
       l[h] = l[h] * w.correction[h] + exp_and_sum(w.scores.data() + h * stride, sn, m[h]);
     }
+    // The V rows. Decode rows (from memory): block by block, each next block asked for
+    // while this one is read. Prompt rows (their context re-read item after item, from the
+    // caches): each pass of accumulators runs over the whole step, so it loads and stores
+    // them once a step instead of once a block. Measured on an AVX2 Zen 3 host, one process,
+    // alternated against block by block: benchmarks.prompt_attention fp32 1.08-1.23x (8 x 256
+    // and 2 x 1024 tokens), bf16 1.05-1.08x; the engine's attention calls over 8 prompts of
+    // 1024 tokens 4.57 -> 3.96 s, 16 of 256 0.78 -> 0.72 s (medians of 4 and 10 rounds).
+    const bool whole_step = limits != nullptr;
+    const T* vbs[kMaxStepBlocks];
     for (int64_t b0 = s0; b0 < s0 + sn; b0 += bs) {
-      const T* vb = v_cache + table[b0 / bs] * bs * sh.row;
-      const int64_t n = std::min(bs, t1 - b0);
+      vbs[(b0 - s0) / bs] = v_cache + table[b0 / bs] * bs * sh.row;
+    }
+    for (int64_t b0 = s0; b0 < s0 + sn; b0 += whole_step ? sn : bs) {
+      const int64_t n = whole_step ? sn : std::min(bs, t1 - b0);
       const float* correction = b0 == s0 ? w.correction.data() : w.ones.data();
-      ask_ahead(false, b0, s0, sn);
+      if (!whole_step) ask_ahead(false, b0, s0, sn);
       auto values = [&](auto nh, int64_t h, int64_t g) {
         accumulate<decltype(nh)::value>(acc + h * D, w.scores.data() + h * stride + (b0 - s0),
-                                        stride, vb + g * D, sh.row, n, D, correction + h, v_ahead);
+                                        stride, vbs + (b0 - s0) / bs, g * D, bs, sh.row, n, D,
+                                        correction + h, whole_step ? nullptr : &v_ahead);
       };
       for_head_groups<kMaxValueHeads>(sh, values);
       v_ahead.finish();
