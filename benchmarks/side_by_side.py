@@ -109,15 +109,15 @@ def clients(args: argparse.Namespace, url: str, tag: str) -> dict:
     """vLLM's client at once and at 4 requests/s (and at once on long prompts), llmserve's at
     once: their JSON results."""
     out, results = Path(args.out), {}
-    runs = [("inf", "256", args.num_prompts), ("4", "256", args.num_prompts),
-            ("long", str(LONG_PROMPT), max(1, args.num_prompts // 4))]  # fmt: skip
-    for label, prompt_len, prompts in runs:
+    runs = [("inf", "inf", 256, args.num_prompts), ("4", "4", 256, args.num_prompts),
+            ("long", "inf", LONG_PROMPT, max(1, args.num_prompts // 4))]  # fmt: skip
+    for label, rate, prompt_len, prompts in runs:
         name = f"{tag}-vclient-{label}.json"
         run([args.vllm_python, str(PEER), "bench", "serve", "--backend", "openai",
              "--base-url", url, "--model", NAME, "--tokenizer", args.hf_dir,
-             "--dataset-name", "random", "--random-input-len", prompt_len,
+             "--dataset-name", "random", "--random-input-len", str(prompt_len),
              "--random-output-len", "128", "--num-prompts", str(prompts), "--ignore-eos",
-             "--temperature", "0", "--request-rate", "4" if label == "4" else "inf",
+             "--temperature", "0", "--request-rate", rate,
              "--seed", "0", "--save-result", "--result-dir", str(out),
              "--result-filename", name], out / f"{tag}-vclient-{label}.txt")  # fmt: skip
         results[f"vclient-{label}"] = json.loads((out / name).read_text())

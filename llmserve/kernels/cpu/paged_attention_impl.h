@@ -375,12 +375,12 @@ inline void exp_inplace(float* x, int64_t n) {
 
 // For NH heads h (acc_h = acc + h * D, p_h = p + h * ps): elements [0, NC * C) of acc_h =
 // acc_h * correction[h] + sum_i p_h[i] v_i (chunk order) over n rows v_i that lie in blocks
-// of bs rows: row i = blocks[i / bs] + (i % bs) * stride. The accumulators stay in registers
-// over all n rows, each V chunk is widened once.
+// of bs rows: row i = blocks[i / bs] + off + (i % bs) * stride. The accumulators stay in
+// registers over all n rows, each V chunk is widened once. kStep: ah->step() once a row.
 template <int NC, int NH, bool kStep, typename T>
 inline void accumulate_rows(float* acc, int64_t D, const float* p, int64_t ps,
-                            const T* const* blocks, int64_t bs, int64_t stride, int64_t n,
-                            const float* correction, Ahead* ah) {
+                            const T* const* blocks, int64_t off, int64_t bs, int64_t stride,
+                            int64_t n, const float* correction, Ahead* ah) {
   constexpr int64_t W = Vec::W;
   Vec a[NH][2 * NC], w[NH], x0, x1;
   for (int h = 0; h < NH; ++h) {
@@ -388,7 +388,7 @@ inline void accumulate_rows(float* acc, int64_t D, const float* p, int64_t ps,
     for (int j = 0; j < 2 * NC; ++j) a[h][j] = Vec::mul(Vec::load(acc + h * D + j * W), c);
   }
   for (int64_t b0 = 0; b0 < n; b0 += bs) {
-    const T* v = blocks[b0 / bs];
+    const T* v = blocks[b0 / bs] + off;
     const int64_t bn = std::min(bs, n - b0);
     for (int64_t i = 0; i < bn; ++i) {
       if constexpr (kStep) ah->step();
@@ -408,26 +408,23 @@ inline void accumulate_rows(float* acc, int64_t D, const float* p, int64_t ps,
   }
 }
 
-// accumulate_rows over all of D: V rows of KV head g at blocks[b] + off (off = g * D)
+// accumulate_rows over all of D: V rows of KV head g at blocks[b] + off (off = g * D); ah
+// null: no asking ahead (the rows are in the caches)
 template <int NH, typename T>
 inline void accumulate(float* acc, const float* p, int64_t ps, const T* const* blocks,
                        int64_t off, int64_t bs, int64_t stride, int64_t n, int64_t D,
                        const float* correction, Ahead* ah) {
   constexpr int NC = kAccRegs / (2 * NH) >= 4 ? 4 : kAccRegs / (2 * NH) >= 2 ? 2 : 1;
   const int64_t Dc = D / C * C;
-  const T* at[kMaxStepBlocks];  // the blocks' rows from element d on
-  const int64_t nb = (n + bs - 1) / bs;
-  auto from = [&](int64_t d) {
-    for (int64_t b = 0; b < nb; ++b) at[b] = blocks[b] + off + d;
-    return at;
-  };
   int64_t d = 0;
   auto rows = [&](auto nc) {
     constexpr int kNC = decltype(nc)::value;
     if (ah != nullptr) {
-      accumulate_rows<kNC, NH, true>(acc + d, D, p, ps, from(d), bs, stride, n, correction, ah);
+      accumulate_rows<kNC, NH, true>(acc + d, D, p, ps, blocks, off + d, bs, stride, n,
+                                     correction, ah);
     } else {
-      accumulate_rows<kNC, NH, false>(acc + d, D, p, ps, from(d), bs, stride, n, correction, ah);
+      accumulate_rows<kNC, NH, false>(acc + d, D, p, ps, blocks, off + d, bs, stride, n,
+                                      correction, ah);
     }
   };
   for (; d + NC * C <= Dc; d += NC * C) rows(std::integral_constant<int, NC>{});
