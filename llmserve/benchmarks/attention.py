@@ -12,6 +12,8 @@ GPU (when CUDA is available; ``--skip-gpu`` to leave out):
   decode  paged decode attention (Triton): K/V bytes read per second vs the HBM peak
   graphs  end-to-end decode throughput of a random-weight ~1B Llama with and without CUDA
           graphs (``--load-format dummy``), and whether their greedy tokens agree
+  ``--sweep-tiles`` instead times every launch shape (TileConfig) of the two Triton kernels
+          under CUDA events, prefill against SDPA timed the same way
 
 The step measurement fills the KV pool with random values instead of prefilling B x C
 tokens (attention costs the same on any values) and lets every layer share one pool, so a
@@ -334,6 +336,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--graph-batch-sizes", type=int, nargs="+", default=[1, 8, 32, 128])
     p.add_argument("--graph-prompt-len", type=int, default=32)
     p.add_argument("--graph-output-len", type=int, default=128)
+    p.add_argument("--sweep-tiles", action="store_true",
+                   help="GPU: time every launch shape of the Triton kernels instead")  # fmt: skip
     p.add_argument("--output-json", default=None)
 
 

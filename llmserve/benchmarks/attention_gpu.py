@@ -4,6 +4,7 @@ vs materialized attention vs torch SDPA, paged decode bandwidth, CUDA graphs vs 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import tempfile
 import time
@@ -50,12 +51,10 @@ def _materialized(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     return torch.softmax(scores, dim=-1) @ v
 
 
-def flash_vs_materialized(n: int, repeats: int, num_heads=32, num_kv_heads=8, head_dim=64) -> dict:
-    """One causal prefill of ``n`` tokens (bf16): Triton flash over the paged pool, the
-    materialized N x N attention, and torch SDPA; time and peak extra memory of each."""
-    from llmserve import kernels
-
-    device, dtype, block_size, scale = torch.device("cuda"), torch.bfloat16, 16, head_dim**-0.5
+def _prefill_inputs(n: int, num_heads: int, num_kv_heads: int, head_dim: int):
+    """One sequence of ``n`` random bf16 tokens, as the paged kernel's arguments (q, K/V pool of
+    16-token blocks, start_loc, seq_lens, block table) and as SDPA's ``[1, H, N, D]`` q, k, v."""
+    device, dtype, block_size = torch.device("cuda"), torch.bfloat16, 16
     gen = torch.Generator(device=device).manual_seed(0)
     q = torch.randn(n, num_heads, head_dim, generator=gen, device=device, dtype=dtype)
     k = torch.randn(n, num_kv_heads, head_dim, generator=gen, device=device, dtype=dtype)
@@ -73,10 +72,18 @@ def flash_vs_materialized(n: int, repeats: int, num_heads=32, num_kv_heads=8, he
     q4 = q.transpose(0, 1)[None]  # [1, H, N, D]
     k4 = k.repeat_interleave(group, dim=1).transpose(0, 1)[None].contiguous()  # [1, H, N, D]
     v4 = v.repeat_interleave(group, dim=1).transpose(0, 1)[None].contiguous()
+    return (q, k_cache, v_cache, start_loc, seq_lens, tables), (q4, k4, v4)
+
+
+def flash_vs_materialized(n: int, repeats: int, num_heads=32, num_kv_heads=8, head_dim=64) -> dict:
+    """One causal prefill of ``n`` tokens (bf16): Triton flash over the paged pool, the
+    materialized N x N attention, and torch SDPA; time and peak extra memory of each."""
+    from llmserve import kernels
+
+    device, scale = torch.device("cuda"), head_dim**-0.5
+    paged, (q4, k4, v4) = _prefill_inputs(n, num_heads, num_kv_heads, head_dim)
     paths = {
-        "flash_triton": lambda: kernels.flash_attn_varlen_paged(
-            q, k_cache, v_cache, start_loc, seq_lens, tables, scale, n
-        ),
+        "flash_triton": lambda: kernels.flash_attn_varlen_paged(*paged, scale, n),
         "materialized": lambda: _materialized(q4, k4, v4, scale),
         "torch_sdpa": lambda: F.scaled_dot_product_attention(
             q4, k4, v4, is_causal=True, scale=scale
@@ -104,6 +111,13 @@ def flash_vs_materialized(n: int, repeats: int, num_heads=32, num_kv_heads=8, he
     return result
 
 
+def _kernel_ms(fn: Callable[[], Any]) -> float:
+    """Median kernel time under CUDA events, L2 flushed between runs (triton.testing)."""
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=5, rep=40, return_mode="median")
+
+
 # ---- GPU: paged decode bandwidth ------------------------------------------------------------
 def hbm_peak_gbs(override: float | None) -> float | None:
     if override:
@@ -123,7 +137,6 @@ def copy_gbs(device: torch.device, repeats: int) -> float:
 def decode_bandwidth(
     batch: int,
     context: int,
-    repeats: int,
     peak: float | None,
     num_heads=32,
     num_kv_heads=8,
@@ -137,12 +150,12 @@ def decode_bandwidth(
         batch, context, 16, num_kv_heads, head_dim, torch.bfloat16, device
     )
     q = torch.randn(batch, num_heads, head_dim, device=device, dtype=torch.bfloat16)
-    ms = time_ms(
+    # Kernel time from CUDA events: a decode step replays it inside a CUDA graph, so the host's
+    # launch (tens of microseconds, a tenth of the kernel at 64 x 4096) is not part of it.
+    ms = _kernel_ms(
         lambda: kernels.paged_decode_attention(
             q, k_cache, v_cache, meta.seq_lens, meta.block_tables, head_dim**-0.5
-        ),
-        repeats,
-        device,
+        )
     )
     kv_bytes = 2 * batch * context * num_kv_heads * head_dim * k_cache.element_size()
     gbs = kv_bytes / ms / 1e6
@@ -155,6 +168,90 @@ def decode_bandwidth(
         "hbm_peak_gbs": peak,
         "fraction_of_peak": gbs / peak if peak else None,
     }
+
+
+# ---- GPU: launch shapes of the two Triton kernels --------------------------------------------
+# (block_m, block_n, num_warps, num_stages); the first of each list is the shipped default
+# for bf16 at head dim 64 (the others were slower on an H100: docs/benchmarks.md).
+FLASH_TILES = [(128, 64, 8, 2), (64, 64, 4, 3), (64, 64, 4, 2), (128, 64, 4, 3), (128, 64, 8, 3),
+               (128, 64, 8, 4), (128, 128, 8, 3), (256, 64, 8, 3), (256, 64, 16, 3)]  # fmt: skip
+DECODE_TILES = [(1, bn, warps, stages) for bn in (64, 32, 128) for warps in (4, 2, 8)
+                for stages in (3, 2)]  # fmt: skip
+
+
+def _sweep_prefill(n: int, num_heads: int, num_kv_heads: int, head_dim: int) -> list[dict]:
+    from llmserve import kernels
+    from llmserve.kernels.flash_attention import TileConfig
+
+    paged, sdpa_args = _prefill_inputs(n, num_heads, num_kv_heads, head_dim)
+    scale = head_dim**-0.5
+    sdpa_ms = _kernel_ms(lambda: F.scaled_dot_product_attention(*sdpa_args, is_causal=True))
+    reference = F.scaled_dot_product_attention(*sdpa_args, is_causal=True)[0].transpose(0, 1)
+    flops = 2 * n * n * head_dim * num_heads  # causal: half of 4 * N^2 * D per head
+    rows = []
+    for shape in FLASH_TILES:
+        row: dict[str, Any] = {"n": n, "tile": "x".join(map(str, shape)), "sdpa_ms": sdpa_ms}
+        fn = functools.partial(kernels.flash_attn_varlen_paged, *paged, scale, n,
+                               tile=TileConfig(*shape))  # fmt: skip
+        try:
+            row["max_abs_diff"] = (fn().float() - reference.float()).abs().max().item()
+            row["ms"] = _kernel_ms(fn)
+            row["tflops"] = flops / row["ms"] / 1e9
+            row["vs_sdpa"] = row["ms"] / sdpa_ms
+        except Exception as exc:  # a tile that does not fit (shared memory, registers)
+            row["error"] = type(exc).__name__
+        rows.append(row)
+    return rows
+
+
+def _sweep_decode(batch: int, context: int, num_heads: int, num_kv_heads: int, head_dim: int):
+    from llmserve import kernels
+    from llmserve.kernels.flash_attention import TileConfig
+
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    caches, meta = decode_batch(batch, context, 16, num_kv_heads, head_dim, dtype, device)
+    q = torch.randn(batch, num_heads, head_dim, device=device, dtype=dtype)
+    kv_bytes = 2 * batch * context * num_kv_heads * head_dim * dtype.itemsize
+    rows = []
+    for shape in DECODE_TILES:
+        for splits in (None, 4):
+            row = {"batch": batch, "context": context, "tile": "x".join(map(str, shape[1:])),
+                   "splits": splits or "auto"}  # fmt: skip
+            fn = functools.partial(
+                kernels.paged_decode_attention, q, *caches, meta.seq_lens, meta.block_tables,
+                head_dim**-0.5, num_splits=splits, tile=TileConfig(*shape),
+            )  # fmt: skip
+            try:
+                row["ms"] = _kernel_ms(fn)
+                row["gbs"] = kv_bytes / row["ms"] / 1e6
+            except Exception as exc:  # a tile that does not fit
+                row["error"] = type(exc).__name__
+            rows.append(row)
+    return rows
+
+
+def tile_sweep(prefill_lens: list[int], decode_shapes: list[tuple[int, int]],
+               num_heads=32, num_kv_heads=8, head_dim=64) -> dict:  # fmt: skip
+    """Every tile of FLASH_TILES on one causal prefill of each length (against SDPA's flash
+    path, timed the same way) and every tile of DECODE_TILES on each decode shape (bf16)."""
+    shape = (num_heads, num_kv_heads, head_dim)
+    return {
+        "prefill": [r for n in prefill_lens for r in _sweep_prefill(n, *shape)],
+        "decode": [r for b, c in decode_shapes for r in _sweep_decode(b, c, *shape)],
+    }
+
+
+def print_tile_sweep(sweep: dict) -> None:
+    tables = [
+        ("causal prefill (bf16; block_m x block_n x warps x stages)", "prefill",
+         ("n", "tile", "ms", "tflops", "sdpa_ms", "vs_sdpa", "max_abs_diff", "error")),
+        ("paged decode (bf16; block_n x warps x stages)", "decode",
+         ("batch", "context", "tile", "splits", "ms", "gbs", "error")),
+    ]  # fmt: skip
+    for title, key, cols in tables:
+        if sweep[key]:
+            print(f"\ntile sweep, {title}")
+            print(format_table(cols, [[r.get(c, "") for c in cols] for r in sweep[key]]))
 
 
 # ---- GPU: decode throughput with and without CUDA graphs ------------------------------------
@@ -240,11 +337,16 @@ def graphs_vs_eager(
 def run_gpu(args: argparse.Namespace) -> dict:
     peak = hbm_peak_gbs(args.hbm_peak_gbs)
     device = torch.device("cuda")
+    if args.sweep_tiles:
+        return {
+            "device": torch.cuda.get_device_name(),
+            "tile_sweep": tile_sweep(args.prefill_lens, args.decode_shapes),
+        }
     return {
         "device": torch.cuda.get_device_name(),
         "flash": [flash_vs_materialized(n, args.repeats) for n in args.prefill_lens],
         "copy_gbs": copy_gbs(device, args.repeats),
-        "decode": [decode_bandwidth(b, c, args.repeats, peak) for b, c in args.decode_shapes],
+        "decode": [decode_bandwidth(b, c, peak) for b, c in args.decode_shapes],
         "graphs": graphs_vs_eager(
             args.graph_batch_sizes, args.graph_prompt_len, args.graph_output_len, args.model
         ),
@@ -252,6 +354,10 @@ def run_gpu(args: argparse.Namespace) -> dict:
 
 
 def print_gpu(gpu: dict) -> None:
+    if "tile_sweep" in gpu:
+        print(f"\nGPU {gpu['device']}")
+        print_tile_sweep(gpu["tile_sweep"])
+        return
     print(f"\nGPU {gpu['device']}: causal prefill, one sequence of N tokens (bf16)")
     cols = [
         f"{p}_{m}"

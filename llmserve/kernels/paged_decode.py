@@ -19,9 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .flash_attention import dot_precision, load_kv_tile
+from .flash_attention import LOG2E, TileConfig, dot_precision, load_kv_tile
 
-_BLOCK_N = 64
+# block_m is unused here: a program's rows are the query heads that share one KV head.
+DEFAULT_TILE = TileConfig(block_m=1, block_n=64)
 _MAX_SPLITS = 16
 
 
@@ -36,7 +37,7 @@ def _decode_partial_kernel(
     part_max_ptr,  # [num_seqs, num_heads, NUM_SPLITS] fp32
     part_sum_ptr,  # [num_seqs, num_heads, NUM_SPLITS] fp32
     part_acc_ptr,  # [num_seqs, num_heads, NUM_SPLITS, HEAD_DIM_PAD] fp32
-    scale,
+    qk_scale,  # softmax scale * log2(e): scores in log2 units for exp2
     num_heads,
     num_queries_per_kv,
     head_dim,
@@ -71,6 +72,7 @@ def _decode_partial_kernel(
     q = tl.load(q_ptrs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [GROUP_PAD, D_PAD]
     if HAS_ALIBI:
         slopes = tl.load(alibi_slopes_ptr + heads, mask=g_mask, other=0.0).to(tl.float32)
+        slopes = slopes * 1.4426950408889634  # log2(e)
 
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
@@ -83,15 +85,15 @@ def _decode_partial_kernel(
             k_cache_ptr, table_ptr, offs_n, offs_d, n_mask, d_mask, kv_head,
             block_size, stride_cb, stride_cs, stride_ch,
         )  # fmt: skip
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [GROUP_PAD, BLOCK_N]
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [GROUP_PAD, BLOCK_N]
         if HAS_ALIBI:
             rel = (offs_n - (seq_len - 1)).to(tl.float32)  # [BLOCK_N] key_pos - query_pos
             s += slopes[:, None] * rel[None, :]
         s = tl.where(n_mask[None, :], s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: each tile has a key in range
-        p = tl.exp(s - m_new[:, None])  # [GROUP_PAD, BLOCK_N]
-        alpha = tl.exp(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])  # [GROUP_PAD, BLOCK_N]
+        alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = load_kv_tile(
             v_cache_ptr, table_ptr, offs_n, offs_d, n_mask, d_mask, kv_head,
@@ -135,7 +137,7 @@ def _decode_reduce_kernel(
 
     m_max = tl.max(m, axis=0)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # seq_len 0 (a padding row)
-    w = tl.where(s_mask, tl.exp(m - m_max), 0.0)  # [SPLITS_PAD]; empty splits give exp(-inf)=0
+    w = tl.where(s_mask, tl.exp2(m - m_max), 0.0)  # [SPLITS_PAD]; empty splits give exp(-inf)=0
     total = tl.sum(l_s * w, axis=0)
     out = tl.sum(acc * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)  # [HEAD_DIM_PAD]
     out_ptrs = out_ptr + seq.to(tl.int64) * stride_os + head * stride_oh + offs_d
@@ -165,13 +167,15 @@ def paged_decode_attention(
     scale: float,
     alibi_slopes: torch.Tensor | None = None,
     num_splits: int | None = None,
+    tile: TileConfig | None = None,
 ) -> torch.Tensor:
     """Attention of one query per sequence (at position seq_len - 1) over the paged KV pool.
 
     q: [num_seqs, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size,
     num_kv_heads, head_dim]; seq_lens: [num_seqs] int32 (a padding row with seq_len 0 gets
     zeros); block_tables: [num_seqs, max_blocks] int32. num_splits: chunks per sequence
-    (None: picked from the batch shape).
+    (None: picked from the batch shape). tile: launch shape (None: DEFAULT_TILE; benchmarks
+    sweep others).
     Returns [num_seqs, num_heads, head_dim] in q's dtype.
     """
     num_seqs, num_heads, head_dim = q.shape
@@ -187,6 +191,7 @@ def paged_decode_attention(
     if num_seqs == 0:
         return out
     group = num_heads // num_kv_heads
+    tile = tile or DEFAULT_TILE
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
     part_max = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
     part_sum = torch.empty_like(part_max)
@@ -195,15 +200,17 @@ def paged_decode_attention(
         q, k_cache, v_cache, seq_lens, block_tables,
         alibi_slopes if alibi_slopes is not None else q,
         part_max, part_sum, part_acc,
-        scale, num_heads, group, head_dim, block_size,
+        scale * LOG2E, num_heads, group, head_dim, block_size,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         HAS_ALIBI=alibi_slopes is not None,
         NUM_SPLITS=num_splits,
-        BLOCK_N=_BLOCK_N,
+        BLOCK_N=tile.block_n,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM_PAD=head_dim_pad,
         DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
     )  # fmt: skip
     _decode_reduce_kernel[(num_seqs, num_heads)](
         part_max, part_sum, part_acc, out, num_heads, head_dim, out.stride(0), out.stride(1),

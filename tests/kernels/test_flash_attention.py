@@ -19,7 +19,7 @@ CASES = {
 }
 
 
-def _run(kernels, case, dtype, seed=0):
+def _run(kernels, case, dtype, seed=0, tile=None):
     head_dim, block_size, num_heads, num_kv_heads, q_lens, seq_lens, use_alibi = case
     batch = make_paged_batch(
         q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed
@@ -29,7 +29,9 @@ def _run(kernels, case, dtype, seed=0):
         batch.q, batch.k_cache, batch.v_cache, batch.query_start_loc, batch.seq_lens,
         batch.block_tables, head_dim**-0.5,
     )  # fmt: skip
-    out = kernels.flash_attn_varlen_paged(*args, batch.max_query_len, alibi_slopes=slopes)
+    out = kernels.flash_attn_varlen_paged(
+        *args, batch.max_query_len, alibi_slopes=slopes, tile=tile
+    )
     return out, ref_paged_attention(*args, alibi_slopes=slopes)
 
 
@@ -55,4 +57,21 @@ def test_flash_attention_reads_q_through_strides(kernels):
     args = (q, batch.k_cache, batch.v_cache, batch.query_start_loc, batch.seq_lens)
     out = kernels.flash_attn_varlen_paged(*args, batch.block_tables, 0.125, 6)
     ref = ref_paged_attention(*args, batch.block_tables, 0.125)
+    torch.testing.assert_close(out, ref, **tolerance(torch.float32))
+
+
+# Tiles other than the default: query blocks taller and shorter than the key tiles, so the
+# unmasked tiles before the diagonal and the masked ones on it meet at every offset.
+# (block_m, block_n, num_warps, num_stages)
+TILES = [(16, 16, 4, 3), (32, 16, 4, 3), (16, 32, 8, 2)]
+
+
+@pytest.mark.parametrize("tile", TILES, ids=lambda t: f"{t[0]}x{t[1]}")
+def test_flash_attention_other_tiles(kernels, tile):
+    from llmserve.kernels.flash_attention import TileConfig
+
+    tile = TileConfig(*tile)
+    # prefix + chunk, a chunk whose first query is not tile-aligned, a full prefill, alibi
+    case = (64, 16, 4, 2, [70, 23, 41], [100, 60, 41], True)
+    out, ref = _run(kernels, case, torch.float32, seed=2, tile=tile)
     torch.testing.assert_close(out, ref, **tolerance(torch.float32))

@@ -18,7 +18,7 @@ CASES = {
 }
 
 
-def _run(kernels, case, dtype, seed=0):
+def _run(kernels, case, dtype, seed=0, tile=None):
     head_dim, block_size, num_heads, num_kv_heads, seq_lens, use_alibi, num_splits = case
     q_lens = [1] * len(seq_lens)
     batch = make_paged_batch(
@@ -28,7 +28,7 @@ def _run(kernels, case, dtype, seed=0):
     scale = head_dim**-0.5
     caches = (batch.k_cache, batch.v_cache)
     out = kernels.paged_decode_attention(
-        batch.q, *caches, batch.seq_lens, batch.block_tables, scale, slopes, num_splits
+        batch.q, *caches, batch.seq_lens, batch.block_tables, scale, slopes, num_splits, tile
     )
     ref = ref_paged_attention(
         batch.q, *caches, batch.query_start_loc, batch.seq_lens, batch.block_tables, scale, slopes
@@ -48,6 +48,15 @@ def test_paged_decode_matches_reference_fp16(kernels, name):
     out, ref = _run(kernels, CASES[name], torch.float16, seed=1)
     assert out.dtype == torch.float16
     torch.testing.assert_close(out, ref, **tolerance(torch.float16))
+
+
+@pytest.mark.parametrize("tile", [(1, 16, 4, 3), (1, 128, 8, 2)], ids=["bn16", "bn128"])
+def test_paged_decode_other_tiles(kernels, tile):
+    """Key tiles shorter and longer than a split's chunk, with ALiBi and empty splits."""
+    from llmserve.kernels.flash_attention import TileConfig
+
+    out, ref = _run(kernels, CASES["mqa-alibi-empty-splits"], torch.float32, tile=TileConfig(*tile))
+    torch.testing.assert_close(out, ref, **tolerance(torch.float32))
 
 
 def test_paged_decode_agrees_with_flash_prefill(kernels):
