@@ -25,6 +25,8 @@ pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ comp
 SHAPES = [  # (M, K, N)
     (1, 1, 1),
     (2, 20, 48),
+    (1, 300, 145),  # one and two rows take whole panels over all of K (gemv_panels)
+    (2, 129, 200),
     (3, 5, 7),
     (5, 33, 50),
     (6, 40, 96),
@@ -69,6 +71,19 @@ def test_linear_f32_computes_every_panel_at_any_thread_count(m, n, threads):
         torch.set_num_threads(old)
     want = F.linear(x.double(), w.double()).float()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * (200**0.5))
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_f32_rows_do_not_depend_on_the_batch(isa, with_bias):
+    """One or two rows (whole panels, one stream) give the same bits as the same rows inside a
+    larger batch (register tiles, slice by slice): each output is the same in-order sum."""
+    gen = torch.Generator().manual_seed(7)
+    x, w = torch.randn(9, 300, generator=gen), torch.randn(145, 300, generator=gen)
+    b = torch.randn(145, generator=gen) if with_bias else None
+    packed = cpu_kernels.linear_f32_pack(w)
+    batch = cpu_kernels.linear_f32(x, packed, 145, b)
+    assert torch.equal(cpu_kernels.linear_f32(x[3:4], packed, 145, b), batch[3:4])
+    assert torch.equal(cpu_kernels.linear_f32(x[5:7], packed, 145, b), batch[5:7])
 
 
 def test_linear_f32_keeps_leading_dims_and_reads_strided_x(isa):

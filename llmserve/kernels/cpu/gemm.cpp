@@ -9,7 +9,8 @@
 // weight in cache). Here the weight is packed so that the whole call reads it front to back
 // (gemm_impl.h: 48-column panels, [k][48] each); each thread asks for its next panel
 // slice while it multiplies the current one, and a register tile of 8 rows x 48 columns
-// (AVX-512; 4 x 24 with AVX2) keeps the FMA units busy. Prompt-sized M is taken 256 rows at a
+// (AVX-512; 4 x 24 with AVX2) keeps the FMA units busy. One or two rows (batch 1 or 2) take
+// each panel whole over all of K instead, one stream. Prompt-sized M is taken 256 rows at a
 // time. The result is the plain fp32 product: each output is one sum over k in order.
 //
 // The body (gemm_impl.h) is compiled for AVX-512, AVX2 and plain C++; isa.h picks one at run

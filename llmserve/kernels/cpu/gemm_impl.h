@@ -148,13 +148,66 @@ inline void gemm_panels_outer(const float* x, int64_t K, const float* packed, in
   }
 }
 
-// Up to kRowBlock rows (decode steps): one pass over the weight, slice by slice over a chunk
+// R <= kGemvRows rows of x (decode at batch 1 or 2) against panels [pb, pe), each over all of
+// K: the chunk's panels lie back to back, so the weight is read as one stream front to back,
+// and each k row of a panel (kPanel columns) is taken whole, one accumulator per row and
+// vector of columns (the same sum over k in order as gemm_tile: the results are identical).
+// The tiled path walks each slice of K twice with AVX2 (two tiles of 24 columns) and jumps
+// between panels slice by slice. Measured on an AVX2 Zen 3 host, the default model's four
+// layer shapes (30 weight copies, from memory) and its LM head, in one process against the
+// tiled path, alternated rounds: M = 1 1.24-1.63x (14-16 -> 21-23 GB/s in a slow hour of the
+// VM, 21-24 -> 27-32 in a fast one), M = 2 1.02-1.25x; M = 3 or 4 as two passes even or
+// slower (0.75-1.01x), so they stay tiled. Batch-1 decode of the default model (LLM.generate,
+// 128 tokens): in one process, alternated, 16-20 -> 24-28 tok/s; separate processes 21-23 ->
+// 29-30. `llmserve bench latency` read level (29-31 both): the tiled path's speed at M = 1
+// differs from process to process (it reached the stream's rate in some), this one's does not.
+constexpr int64_t kGemvRows = 2;
+template <int R>
+inline void gemv_panels(const float* x, int64_t ldx, int64_t K, const float* packed, float* y,
+                        int64_t ldy, const float* bias, int64_t pb, int64_t pe) {
+  constexpr int NV = kPanel / Vec::W;  // 6 with AVX2, 3 with AVX-512
+  for (int64_t p = pb; p < pe; ++p) {
+    const float* w = packed + p * K * kPanel;
+    Vec acc[R][NV];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < NV; ++v) acc[r][v] = Vec::zero();
+#pragma GCC unroll 2
+    for (int64_t k = 0; k < K; ++k) {
+      Vec b[NV];
+      for (int v = 0; v < NV; ++v) b[v] = Vec::load(w + k * kPanel + v * Vec::W);
+      for (int r = 0; r < R; ++r) {
+        const Vec a = Vec::set1(x[r * ldx + k]);
+        for (int v = 0; v < NV; ++v) acc[r][v] = Vec::fma(a, b[v], acc[r][v]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      for (int v = 0; v < NV; ++v) {
+        const int64_t c = p * kPanel + v * Vec::W;
+        if (bias != nullptr) acc[r][v] = Vec::add(acc[r][v], Vec::load(bias + c));
+        acc[r][v].store(y + r * ldy + c);
+      }
+    }
+  }
+}
+
+// One or two rows (decode at batch 1 or 2): gemv_panels over chunks of panels. Up to
+// kRowBlock rows (decode steps): one pass over the weight, slice by slice over a chunk
 // of panels at a time, the chunks taken by the threads as they come free (parallel.h). More
 // rows (prompt chunks): blocks of kRowBlock rows, one parallel region each, panel by panel
 // (gemm_panels_outer), where the multiply, not the weight's loads, is what costs.
 inline void linear_f32(const float* x, int64_t M, int64_t K, const float* packed,
                        int64_t num_panels, const float* bias, float* y, int64_t ldy) {
   int64_t grain = ::llmserve::grain_for(num_panels, kChunksPerThread);
+  if (M <= kGemvRows) {
+    ::llmserve::parallel_take(num_panels, grain, [&](int64_t pb, int64_t pe) {
+      if (M == 2) {
+        gemv_panels<2>(x, K, K, packed, y, ldy, bias, pb, pe);
+      } else {
+        gemv_panels<1>(x, K, K, packed, y, ldy, bias, pb, pe);
+      }
+    });
+    return;
+  }
   if (M <= kRowBlock) {
     // a chunk's y [M, chunk columns] is re-read and re-written once per slice of K: kept to
     // what stays in L2 (the LM head's chunks were 1.5 MB at M = 64)
