@@ -11,7 +11,12 @@ needs nothing special: its queries are the last q_len positions of the context.
     seq b:  context positions 0 ............................ seq_len-1
                               [cached / earlier chunks][ this step's q_len ]
             query block m covers positions ctx_start + m*BLOCK_M .. + BLOCK_M-1 and reads
-            keys 0 .. min(seq_len, ctx_start + (m+1)*BLOCK_M) - 1, masked causally.
+            keys 0 .. min(seq_len, ctx_start + (m+1)*BLOCK_M) - 1: whole key tiles before
+            its first position with no mask, the tiles on the diagonal masked causally.
+
+Scores are kept in log2 units (scale * log2(e) folded into one multiply) so the softmax runs
+on exp2; query blocks are launched last-first (the longest rows start first); the launch
+shape is a TileConfig (default_tile; ``llmserve bench attention --sweep-tiles`` times others).
 """
 
 from __future__ import annotations
