@@ -79,7 +79,7 @@ def load_kv_tile(
 
 
 @triton.jit
-def _attend_tile(
+def attend_tile(
     acc,  # [BLOCK_M, HEAD_DIM_PAD] fp32, unnormalized output so far
     l_i,  # [BLOCK_M] running sum of exp2
     m_i,  # [BLOCK_M] running max (log2 units)
@@ -98,13 +98,14 @@ def _attend_tile(
     stride_cs,
     stride_ch,
     qk_scale,  # softmax scale * log2(e): scores in log2 units, so exp2 does the softmax
-    slope_log2,  # ALiBi slope * log2(e) (unused without ALiBi)
+    slope_log2,  # ALiBi slope * log2(e): a scalar, or [BLOCK_M, 1] per row (unused without)
     HAS_ALIBI: tl.constexpr,
-    CAUSAL_MASK: tl.constexpr,  # False for tiles every query row sees whole
+    MASKED: tl.constexpr,  # False for tiles every row sees whole: no causal or bounds mask
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """One BLOCK_N tile of keys/values folded into the online softmax."""
+    """One BLOCK_N tile of keys/values folded into the online softmax (prefill rows are query
+    tokens of one head; decode rows are the query heads of one KV head, at one position)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
     n_mask = offs_n < kv_end
     k = load_kv_tile(
@@ -115,10 +116,10 @@ def _attend_tile(
     rel = offs_n[None, :] - query_pos[:, None]  # [BLOCK_M, BLOCK_N], key_pos - query_pos
     if HAS_ALIBI:
         s += slope_log2 * rel.to(tl.float32)
-    if CAUSAL_MASK:
+    if MASKED:
         s = tl.where((rel <= 0) & n_mask[None, :], s, float("-inf"))
 
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: key 0 is always visible
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: a row's first tile has a visible key
     p = tl.exp2(s - m_new[:, None])  # [BLOCK_M, BLOCK_N]
     alpha = tl.exp2(m_i - m_new)  # rescales what was accumulated under the old max
     l_i = l_i * alpha + tl.sum(p, axis=1)
@@ -195,13 +196,13 @@ def _flash_attn_varlen_paged_kernel(
     # at most BLOCK_M / BLOCK_N + 1 tiles) does.
     unmasked_end = (first_query // BLOCK_N) * BLOCK_N
     for start_n in range(0, unmasked_end, BLOCK_N):
-        acc, l_i, m_i = _attend_tile(
+        acc, l_i, m_i = attend_tile(
             acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, table_ptr, start_n, kv_end, query_pos,
             offs_d, d_mask, kv_head, block_size, stride_cb, stride_cs, stride_ch, qk_scale,
             slope_log2, HAS_ALIBI, False, BLOCK_N, DOT_PRECISION,
         )  # fmt: skip
     for start_n in range(unmasked_end, kv_end, BLOCK_N):
-        acc, l_i, m_i = _attend_tile(
+        acc, l_i, m_i = attend_tile(
             acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, table_ptr, start_n, kv_end, query_pos,
             offs_d, d_mask, kv_head, block_size, stride_cb, stride_cs, stride_ch, qk_scale,
             slope_log2, HAS_ALIBI, True, BLOCK_N, DOT_PRECISION,

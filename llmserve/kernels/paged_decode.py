@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .flash_attention import LOG2E, TileConfig, dot_precision, load_kv_tile
+from .flash_attention import LOG2E, TileConfig, attend_tile, dot_precision
 
 # block_m is unused here: a program's rows are the query heads that share one KV head.
 DEFAULT_TILE = TileConfig(block_m=1, block_n=64)
@@ -70,38 +70,22 @@ def _decode_partial_kernel(
     d_mask = offs_d < head_dim
     q_ptrs = q_ptr + seq.to(tl.int64) * stride_qs + heads[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [GROUP_PAD, D_PAD]
+    slopes_log2 = 0.0
     if HAS_ALIBI:
         slopes = tl.load(alibi_slopes_ptr + heads, mask=g_mask, other=0.0).to(tl.float32)
-        slopes = slopes * 1.4426950408889634  # log2(e)
+        slopes_log2 = slopes[:, None] * 1.4426950408889634  # log2(e); [GROUP_PAD, 1]
+    query_pos = tl.zeros([GROUP_PAD], dtype=tl.int32) + (seq_len - 1)  # every head's position
 
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], dtype=tl.float32)
     table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    for start_n in range(split_start, split_end, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
-        n_mask = offs_n < split_end
-        k = load_kv_tile(
-            k_cache_ptr, table_ptr, offs_n, offs_d, n_mask, d_mask, kv_head,
-            block_size, stride_cb, stride_cs, stride_ch,
+    for start_n in range(split_start, split_end, BLOCK_N):  # masked: the last tile ends early
+        acc, l_i, m_i = attend_tile(
+            acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, table_ptr, start_n, split_end, query_pos,
+            offs_d, d_mask, kv_head, block_size, stride_cb, stride_cs, stride_ch, qk_scale,
+            slopes_log2, HAS_ALIBI, True, BLOCK_N, DOT_PRECISION,
         )  # fmt: skip
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [GROUP_PAD, BLOCK_N]
-        if HAS_ALIBI:
-            rel = (offs_n - (seq_len - 1)).to(tl.float32)  # [BLOCK_N] key_pos - query_pos
-            s += slopes[:, None] * rel[None, :]
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: each tile has a key in range
-        p = tl.exp2(s - m_new[:, None])  # [GROUP_PAD, BLOCK_N]
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = load_kv_tile(
-            v_cache_ptr, table_ptr, offs_n, offs_d, n_mask, d_mask, kv_head,
-            block_size, stride_cb, stride_cs, stride_ch,
-        )  # fmt: skip
-        pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)  # [GROUP_PAD, HEAD_DIM_PAD]
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
 
     part = (seq * num_heads + heads) * NUM_SPLITS + split  # [GROUP_PAD] flat (seq, head, split)
     tl.store(part_max_ptr + part, m_i, mask=g_mask)
