@@ -112,8 +112,9 @@ def test_rotary_interleaved_matches_torch_path():
         cpu_kernels.rotary_interleaved(qk, torch.full((20,), 600), torch_rope.cis, head_dim)
 
 
-def _mapping_flags(address: int) -> list[str]:
-    """The VmFlags of the mapping holding ``address`` (/proc/self/smaps)."""
+def _mapping_field(address: int, name: str) -> list[str]:
+    """One field (``VmFlags:``, ``Rss:``, ...) of the mapping holding ``address``
+    (/proc/self/smaps)."""
     inside = False
     with open("/proc/self/smaps") as f:
         for line in f:
@@ -121,9 +122,33 @@ def _mapping_flags(address: int) -> list[str]:
             if "-" in head and not head.endswith(":"):
                 lo, hi = (int(x, 16) for x in head.split("-"))
                 inside = lo <= address < hi
-            elif inside and head == "VmFlags:":
+            elif inside and head == name:
                 return line.split()[1:]
     raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def _mapping_flags(address: int) -> list[str]:
+    return _mapping_field(address, "VmFlags:")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps is Linux's")
+@pytest.mark.parametrize("populate", ["madvise", "touch"])
+def test_pools_are_faulted_in_at_allocation(monkeypatch, populate):
+    """Every page of a pool is resident as soon as it is allocated (its Rss covers it), by
+    MADV_POPULATE_WRITE or, where the kernel refuses that, a write to each page; still zeros."""
+    from llmserve.runner import kv_cache
+
+    if populate == "touch":  # an advice the kernel refuses, as kernels before 5.14 do
+        monkeypatch.setattr(kv_cache, "MADV_POPULATE_WRITE", -1)
+    spec = kv_cache.KVCacheSpec(
+        num_layers=1, num_kv_heads=2, head_dim=64, dtype=torch.float32, block_size=16
+    )
+    blocks = 4 * kv_cache.HUGE_PAGE // (16 * 2 * 64 * 4)  # 8 MiB per pool
+    ((k, v),) = kv_cache.allocate(spec, blocks, torch.device("cpu"), "cpp")
+    for pool in (k, v):
+        rss_kib = int(_mapping_field(pool.data_ptr(), "Rss:")[0])
+        assert rss_kib * 1024 >= pool.numel() * pool.element_size()
+        assert not pool.any()
 
 
 @pytest.mark.skipif(
