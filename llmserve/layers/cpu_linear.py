@@ -10,7 +10,11 @@ weight packed once skips that. Two kernels:
   The LM head (more than ``MAX_OWN_GEMM_FEATURES`` outputs) stays with oneDNN where the
   kernels run AVX-512 (oneDNN measured faster on that shape there); with AVX2 it takes ours
   too (Zen 3, [M, 576] x [576, 49152], in one process against oneDNN, five alternated rounds,
-  two runs: 1.13-1.18x at M = 64, 1.04-1.06x at 128, 0.86-1.07x at 1-16).
+  two runs: 1.13-1.18x at M = 64, 1.04-1.06x at 128, 0.86-1.07x at 1-16). Not on AMD Zen 4
+  (family 19h with AVX-512), where oneDNN's fp32 kernel is the faster one at every batch size
+  from 2 up: in the engine (text2sql 64 x 64, in one process alternating) 1.03-1.13x ours
+  with our AVX-512 path and 1.03-1.14x with our AVX2 path; our GEMM loses there at prompt
+  sizes (M = 2048: 136-205 GFLOP/s against oneDNN's 205-213, the host's peak) and at M = 64.
 - otherwise oneDNN's blocked layout (1.3-2x ``F.linear``); bf16 weights are packed only where
   oneDNN runs bf16 natively (AVX512_BF16 or AMX; fp32 accumulation inside).
 
@@ -18,6 +22,8 @@ Applied to a plain model after its weights are loaded, like a quantization pass.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
@@ -43,6 +49,38 @@ def has_native_bf16() -> bool:
     )
 
 
+def own_gemm_is_faster(out_features: int) -> bool:
+    """Whether llmserve's fp32 GEMM, where it builds, beats oneDNN on a layer this wide here
+    (measured per host type: see the module docstring)."""
+    if not cpu_kernels.available() or is_amd_zen4():
+        return False
+    return out_features <= MAX_OWN_GEMM_FEATURES or cpu_kernels.current_isa() == "avx2"
+
+
+@functools.cache
+def is_amd_zen4() -> bool:
+    """Whether this CPU is an AMD Zen 4 (Linux's /proc/cpuinfo; False elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return cpuinfo_is_amd_zen4(f.read())
+    except OSError:
+        return False
+
+
+def cpuinfo_is_amd_zen4(cpuinfo: str) -> bool:
+    """AMD family 19h with AVX-512: Zen 4 (Zen 3 is family 19h without it, Zen 5 is 1Ah)."""
+    first = cpuinfo.split("\n\n", 1)[0]  # the first processor's block
+    fields = dict(
+        (key.strip(), value.strip())
+        for key, _, value in (line.partition(":") for line in first.splitlines())
+    )
+    return (
+        fields.get("vendor_id") == "AuthenticAMD"
+        and fields.get("cpu family") == "25"
+        and "avx512f" in fields.get("flags", "").split()
+    )
+
+
 class PackedLinear(nn.Module):
     """``y = x @ W^T + b`` with ``W`` prepacked for llmserve's fp32 GEMM or oneDNN
     (inference only)."""
@@ -52,11 +90,7 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
         self.bias = linear.bias
-        self.own_gemm = (
-            weight.dtype == torch.float32
-            and cpu_kernels.available()
-            and (self.out_features <= MAX_OWN_GEMM_FEATURES or cpu_kernels.current_isa() == "avx2")
-        )
+        self.own_gemm = weight.dtype == torch.float32 and own_gemm_is_faster(self.out_features)
         if self.own_gemm:
             self.packed_weight = cpu_kernels.linear_f32_pack(weight)
         else:

@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from llmserve.kernels import cpu as cpu_kernels
+from llmserve.layers import cpu_linear
 from llmserve.layers.cpu_linear import MAX_OWN_GEMM_FEATURES, PackedLinear, pack_linear_layers
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
@@ -102,12 +103,16 @@ def test_linear_f32_refuses_a_mismatched_weight():
         cpu_kernels.linear_f32_pack(torch.randn(10, 16, dtype=torch.bfloat16))
 
 
+@pytest.mark.parametrize("zen4", [False, True])
 @pytest.mark.parametrize("isa", ["avx512", "avx2"])
-def test_packed_linear_uses_own_gemm_for_fp32_and_the_lm_head_kernel_of_the_isa(isa):
+def test_packed_linear_uses_own_gemm_for_fp32_and_the_lm_head_kernel_of_the_isa(
+    isa, zen4, monkeypatch
+):
     """Layers take llmserve's GEMM; the LM head's width takes oneDNN with AVX-512, ours with
-    AVX2 (measured faster on each)."""
+    AVX2 (measured faster on each); on AMD Zen 4 every layer takes oneDNN."""
     if isa not in cpu_kernels.supported_isas():
         pytest.skip(f"this CPU does not run {isa}")
+    monkeypatch.setattr(cpu_linear, "is_amd_zen4", lambda: zen4)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 96), nn.Linear(96, MAX_OWN_GEMM_FEATURES + 1, bias=False))
     x = torch.randn(5, 64)
@@ -115,6 +120,22 @@ def test_packed_linear_uses_own_gemm_for_fp32_and_the_lm_head_kernel_of_the_isa(
     with cpu_kernels.forced_isa(isa):
         assert pack_linear_layers(model) == 2
         first, head = model[0], model[1]
-        assert isinstance(first, PackedLinear) and first.own_gemm
-        assert isinstance(head, PackedLinear) and head.own_gemm == (isa == "avx2")
+        assert isinstance(first, PackedLinear) and first.own_gemm == (not zen4)
+        assert isinstance(head, PackedLinear) and head.own_gemm == (isa == "avx2" and not zen4)
         torch.testing.assert_close(model(x), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("vendor", "family", "flags", "zen4"),
+    [
+        ("AuthenticAMD", "25", "fma avx2 avx512f avx512bw", True),  # Zen 4 (Genoa)
+        ("AuthenticAMD", "25", "fma avx2", False),  # Zen 3
+        ("AuthenticAMD", "26", "fma avx2 avx512f avx512bw", False),  # Zen 5
+        ("GenuineIntel", "6", "fma avx2 avx512f avx512bw amx_tile", False),  # Sapphire Rapids
+    ],
+)
+def test_zen4_is_told_apart_by_vendor_family_and_avx512(vendor, family, flags, zen4):
+    block = (
+        f"processor\t: {{}}\nvendor_id\t: {vendor}\ncpu family\t: {family}\nflags\t\t: {flags}\n"
+    )
+    assert cpu_linear.cpuinfo_is_amd_zen4(block.format(0) + "\n" + block.format(1)) == zen4
