@@ -15,6 +15,9 @@ weight packed once skips that. Two kernels:
   from 2 up: in the engine (text2sql 64 x 64, in one process alternating) 1.03-1.13x ours
   with our AVX-512 path and 1.03-1.14x with our AVX2 path; our GEMM loses there at prompt
   sizes (M = 2048: 136-205 GFLOP/s against oneDNN's 205-213, the host's peak) and at M = 64.
+  One or two rows still take ours there, from a second packed copy of each weight: batch 1
+  streams the weight at about twice oneDNN's rate (``bench latency`` fp32: 52.7 tok/s with
+  ours, 32.7 with oneDNN), worth the memory (the default model's linears: 425 MB more).
 - otherwise oneDNN's blocked layout (1.3-2x ``F.linear``); bf16 weights are packed only where
   oneDNN runs bf16 natively (AVX512_BF16 or AMX; fp32 accumulation inside).
 
@@ -31,6 +34,7 @@ from torch import nn
 from llmserve.kernels import cpu as cpu_kernels
 
 MAX_OWN_GEMM_FEATURES = 16384  # wider layers (the LM head) keep oneDNN, but on AVX2
+GEMV_ROWS = 2  # gemm_impl.h's kGemvRows: rows that llmserve's GEMM reads the weight once for
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -55,6 +59,12 @@ def own_gemm_is_faster(out_features: int) -> bool:
     if not cpu_kernels.available() or is_amd_zen4():
         return False
     return out_features <= MAX_OWN_GEMM_FEATURES or cpu_kernels.current_isa() == "avx2"
+
+
+def own_gemv_is_faster() -> bool:
+    """Whether one or two rows (batch-1/2 decode) should still take llmserve's GEMM where
+    oneDNN takes the rest: on Zen 4, whose weights are then packed for both."""
+    return cpu_kernels.available() and is_amd_zen4()
 
 
 @functools.cache
@@ -95,14 +105,23 @@ class PackedLinear(nn.Module):
             self.packed_weight = cpu_kernels.linear_f32_pack(weight)
         else:
             self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, batch_size_hint)
+        self.gemv_weight = (  # a second copy, for one or two rows (own_gemv_is_faster)
+            cpu_kernels.linear_f32_pack(weight)
+            if weight.dtype == torch.float32 and not self.own_gemm and own_gemv_is_faster()
+            else None
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.own_gemm:
             return cpu_kernels.linear_f32(x, self.packed_weight, self.out_features, self.bias)
+        if self.gemv_weight is not None and x.numel() <= GEMV_ROWS * self.in_features:
+            return cpu_kernels.linear_f32(x, self.gemv_weight, self.out_features, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
         kernel = "llmserve fp32 GEMM" if self.own_gemm else "oneDNN"
+        if self.gemv_weight is not None:
+            kernel += f" (llmserve's for up to {GEMV_ROWS} rows)"
         return f"in_features={self.in_features}, out_features={self.out_features}, packed={kernel}"
 
 

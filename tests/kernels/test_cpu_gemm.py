@@ -122,6 +122,10 @@ def test_packed_linear_uses_own_gemm_for_fp32_and_the_lm_head_kernel_of_the_isa(
         first, head = model[0], model[1]
         assert isinstance(first, PackedLinear) and first.own_gemm == (not zen4)
         assert isinstance(head, PackedLinear) and head.own_gemm == (isa == "avx2" and not zen4)
+        for layer in (first, head):  # Zen 4: one or two rows from a copy packed for ours
+            assert (layer.gemv_weight is not None) == zen4
+        for rows in (1, 2, 3):
+            torch.testing.assert_close(model(x[:rows]), want[:rows], rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(model(x), want, rtol=1e-4, atol=1e-4)
 
 
