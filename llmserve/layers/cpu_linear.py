@@ -11,13 +11,13 @@ weight packed once skips that. Two kernels:
   kernels run AVX-512 (oneDNN measured faster on that shape there); with AVX2 it takes ours
   too (Zen 3, [M, 576] x [576, 49152], in one process against oneDNN, five alternated rounds,
   two runs: 1.13-1.18x at M = 64, 1.04-1.06x at 128, 0.86-1.07x at 1-16). Not on AMD Zen 4
-  (family 19h with AVX-512), where oneDNN's fp32 kernel is the faster one at every batch size
-  from 2 up: in the engine (text2sql 64 x 64, in one process alternating) 1.03-1.13x ours
-  with our AVX-512 path and 1.03-1.14x with our AVX2 path; our GEMM loses there at prompt
-  sizes (M = 2048: 136-205 GFLOP/s against oneDNN's 205-213, the host's peak) and at M = 64.
-  One or two rows still take ours there, from a second packed copy of each weight: batch 1
-  streams the weight at about twice oneDNN's rate (``bench latency`` fp32: 52.7 tok/s with
-  ours, 32.7 with oneDNN), worth the memory (the default model's linears: 425 MB more).
+  (family 19h with AVX-512), where oneDNN's fp32 kernel is the faster one from about 16 rows
+  up: in the engine (text2sql 64 x 64, in one process alternating) 1.03-1.13x ours with our
+  AVX-512 path and 1.03-1.14x with our AVX2 path; our GEMM loses there at prompt sizes (M =
+  2048: 136-205 GFLOP/s against oneDNN's 205-213, the host's peak) and at M = 64. One or two
+  rows still take ours there, from a second packed copy of each weight: batch 1 streams the
+  weight at about twice oneDNN's rate (``bench latency`` fp32: 52.7 tok/s with ours, 32.6 with
+  oneDNN), worth the memory (the default model: 513 MiB more, its LM head included).
 - otherwise oneDNN's blocked layout (1.3-2x ``F.linear``); bf16 weights are packed only where
   oneDNN runs bf16 natively (AVX512_BF16 or AMX; fp32 accumulation inside).
 
