@@ -63,7 +63,8 @@ def own_gemm_is_faster(out_features: int) -> bool:
 
 def own_gemv_is_faster() -> bool:
     """Whether one or two rows (batch-1/2 decode) should still take llmserve's GEMM where
-    oneDNN takes the rest: on Zen 4, whose weights are then packed for both."""
+    oneDNN takes the rest (``own_gemm_is_faster`` is False): on Zen 4, whose weights are then
+    packed for both."""
     return cpu_kernels.available() and is_amd_zen4()
 
 
@@ -100,15 +101,14 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
         self.bias = linear.bias
-        self.own_gemm = weight.dtype == torch.float32 and own_gemm_is_faster(self.out_features)
+        fp32 = weight.dtype == torch.float32
+        self.own_gemm = fp32 and own_gemm_is_faster(self.out_features)
         if self.own_gemm:
             self.packed_weight = cpu_kernels.linear_f32_pack(weight)
         else:
             self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, batch_size_hint)
         self.gemv_weight = (  # a second copy, for one or two rows (own_gemv_is_faster)
-            cpu_kernels.linear_f32_pack(weight)
-            if weight.dtype == torch.float32 and not self.own_gemm and own_gemv_is_faster()
-            else None
+            cpu_kernels.linear_f32_pack(weight) if fp32 and own_gemv_is_faster() else None
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

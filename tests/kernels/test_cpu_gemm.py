@@ -124,8 +124,19 @@ def test_packed_linear_uses_own_gemm_for_fp32_and_the_lm_head_kernel_of_the_isa(
         assert isinstance(head, PackedLinear) and head.own_gemm == (isa == "avx2" and not zen4)
         for layer in (first, head):  # Zen 4: one or two rows from a copy packed for ours
             assert (layer.gemv_weight is not None) == zen4
+        real_linear_f32, weights_used = cpu_kernels.linear_f32, []
+
+        def spy(x, packed, *args):  # the real kernel, noting which packed weight it read
+            weights_used.append(packed)
+            return real_linear_f32(x, packed, *args)
+
+        monkeypatch.setattr(cpu_kernels, "linear_f32", spy)
         for rows in (1, 2, 3):
+            weights_used.clear()
             torch.testing.assert_close(model(x[:rows]), want[:rows], rtol=1e-4, atol=1e-4)
+            if zen4:  # ours from the second copy for 1-2 rows, oneDNN's for 3
+                expected = [first.gemv_weight, head.gemv_weight] if rows <= 2 else []
+                assert [id(w) for w in weights_used] == [id(w) for w in expected]
         torch.testing.assert_close(model(x), want, rtol=1e-4, atol=1e-4)
 
 

@@ -13,18 +13,18 @@ constexpr int kTileVecs = 3;  // vectors of columns per tile
 constexpr int64_t kTileCols = kTileVecs * Vec::W;
 static_assert(kPanel % kTileCols == 0, "a panel must split into whole tiles");
 
-// y[r, c] (+)= sum_k x[r, k] w[k, c] for R rows, the kTileCols columns at w (panel rows of
+// y[r, c] (+)= sum_k x[r, k] w[k, c] for R rows, the V vectors of columns at w (panel rows of
 // kPanel floats, kc of them); ``first``: start from zero, else add to y; ``bias`` (last slice
 // only, else null) is added before the store. kAhead: ``ahead`` is this tile's share of the
 // next panel slice the thread reads (``ahead_k`` rows), asked for row by row beside its loads.
-template <int R, bool kAhead>
+template <int R, bool kAhead, int V = kTileVecs>
 inline void gemm_tile(const float* x, int64_t ldx, const float* w, int64_t kc, float* y,
                       int64_t ldy, bool first, const float* bias, const float* ahead,
                       int64_t ahead_k) {
   constexpr int64_t W = Vec::W;
-  Vec acc[R][kTileVecs];
+  Vec acc[R][V];
   for (int r = 0; r < R; ++r) {
-    for (int v = 0; v < kTileVecs; ++v) {
+    for (int v = 0; v < V; ++v) {
       acc[r][v] = first ? Vec::zero() : Vec::load(y + r * ldy + v * W);
     }
   }
@@ -41,15 +41,15 @@ inline void gemm_tile(const float* x, int64_t ldx, const float* w, int64_t kc, f
         }
       }
     }
-    Vec b[kTileVecs];
-    for (int v = 0; v < kTileVecs; ++v) b[v] = Vec::load(w + k * kPanel + v * W);
+    Vec b[V];
+    for (int v = 0; v < V; ++v) b[v] = Vec::load(w + k * kPanel + v * W);
     for (int r = 0; r < R; ++r) {
       const Vec a = Vec::set1(x[r * ldx + k]);
-      for (int v = 0; v < kTileVecs; ++v) acc[r][v] = Vec::fma(a, b[v], acc[r][v]);
+      for (int v = 0; v < V; ++v) acc[r][v] = Vec::fma(a, b[v], acc[r][v]);
     }
   }
   for (int r = 0; r < R; ++r) {
-    for (int v = 0; v < kTileVecs; ++v) {
+    for (int v = 0; v < V; ++v) {
       if (bias != nullptr) acc[r][v] = Vec::add(acc[r][v], Vec::load(bias + v * W));
       acc[r][v].store(y + r * ldy + v * W);
     }
@@ -150,8 +150,8 @@ inline void gemm_panels_outer(const float* x, int64_t K, const float* packed, in
 
 // R <= kGemvRows rows of x (decode at batch 1 or 2) against panels [pb, pe), each over all of
 // K: the chunk's panels lie back to back, so the weight is read as one stream front to back,
-// and each k row of a panel (kPanel columns) is taken whole, one accumulator per row and
-// vector of columns (the same sum over k in order as gemm_tile: the results are identical).
+// and each k row of a panel (kPanel columns) is taken whole: gemm_tile with a whole panel's
+// vectors (the same sum over k in order as the tiled path: the results are identical).
 // The tiled path walks each slice of K twice with AVX2 (two tiles of 24 columns) and jumps
 // between panels slice by slice. Measured on an AVX2 Zen 3 host, the default model's four
 // layer shapes (30 weight copies, from memory) and its LM head, in one process against the
@@ -165,28 +165,10 @@ constexpr int64_t kGemvRows = 2;
 template <int R>
 inline void gemv_panels(const float* x, int64_t ldx, int64_t K, const float* packed, float* y,
                         int64_t ldy, const float* bias, int64_t pb, int64_t pe) {
-  constexpr int NV = kPanel / Vec::W;  // 6 with AVX2, 3 with AVX-512
+  constexpr int NV = kPanel / Vec::W;  // a whole panel: 6 vectors with AVX2, 3 with AVX-512
   for (int64_t p = pb; p < pe; ++p) {
-    const float* w = packed + p * K * kPanel;
-    Vec acc[R][NV];
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < NV; ++v) acc[r][v] = Vec::zero();
-#pragma GCC unroll 2
-    for (int64_t k = 0; k < K; ++k) {
-      Vec b[NV];
-      for (int v = 0; v < NV; ++v) b[v] = Vec::load(w + k * kPanel + v * Vec::W);
-      for (int r = 0; r < R; ++r) {
-        const Vec a = Vec::set1(x[r * ldx + k]);
-        for (int v = 0; v < NV; ++v) acc[r][v] = Vec::fma(a, b[v], acc[r][v]);
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      for (int v = 0; v < NV; ++v) {
-        const int64_t c = p * kPanel + v * Vec::W;
-        if (bias != nullptr) acc[r][v] = Vec::add(acc[r][v], Vec::load(bias + c));
-        acc[r][v].store(y + r * ldy + c);
-      }
-    }
+    gemm_tile<R, false, NV>(x, ldx, packed + p * K * kPanel, K, y + p * kPanel, ldy, true,
+                            bias == nullptr ? nullptr : bias + p * kPanel, nullptr, 0);
   }
 }
 
