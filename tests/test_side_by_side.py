@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ def sbs():
         "side_by_side", ROOT / "benchmarks/side_by_side.py"
     )
     module = importlib.util.module_from_spec(spec)
+    sys.modules["side_by_side"] = module  # its dataclass looks its module up there
     spec.loader.exec_module(module)
     return module
 
@@ -75,8 +77,12 @@ def test_batch1_counts_the_prefill(sbs):
     assert sbs.batch1_tok_s(latency) == pytest.approx(256 / (0.1 + 255 * 0.036))
 
 
+def by_what(sbs, data: dict) -> dict:
+    return {row.what: (row.ours, row.theirs, row.met) for row in sbs.targets(data)}
+
+
 def test_targets_met_and_missed(sbs):
-    rows = {what: (a, b, met) for what, a, b, _, met in sbs.targets(results(sbs, 151.6, 138.8))}
+    rows = by_what(sbs, results(sbs, 151.6, 138.8))
     assert rows["all at once, output tok/s (vLLM's client)"] == (151.6, 116.2, True)  # 1.30x
     assert rows["all at once, output tok/s (llmserve's client)"][2] is True  # 154.6 / 123.9
     assert rows["4 requests/s, mean TPOT ms"] == (138.8, 314.9, True)
@@ -85,7 +91,7 @@ def test_targets_met_and_missed(sbs):
     server = rows["server / offline (vLLM's client)"]
     assert server[0] == pytest.approx(151.6 / 137.2) and server[2] is True
 
-    missed = {what: met for what, *_, met in sbs.targets(results(sbs, 130.0, 320.0))}
+    missed = {what: v[2] for what, v in by_what(sbs, results(sbs, 130.0, 320.0)).items()}
     assert not missed["all at once, output tok/s (vLLM's client)"]  # 1.12x
     assert not missed["4 requests/s, mean TPOT ms"]
     assert not missed["server / offline (vLLM's client)"]  # 130 / 137.2 = 0.95 -> 0.948
@@ -100,23 +106,64 @@ def test_summarize_writes_the_table(sbs, tmp_path, capsys):
     assert table == capsys.readouterr().out.rstrip("\n") + "\n"
     assert "float32 on AMD EPYC (2 CPUs; flags avx2 fma), commit abc1234" in table
     assert (
-        "| all at once, output tok/s (vLLM's client) | 130.00 | 116.2 | 1.12 | >= 1.2x | NO |"
+        "| all at once, output tok/s (vLLM's client) | 130.00 | 116.2 | 1.12 | >= 1.2x | NO | 1.12 |"
         in table
     )
-    assert "| 4 requests/s, mean TPOT ms | 138.80 | 314.9 | 0.44 | below | yes |" in table
+    assert "| 4 requests/s, mean TPOT ms | 138.80 | 314.9 | 0.44 | below | yes | 0.44 |" in table
 
 
 def test_long_prompt_run_is_reported_without_a_verdict(sbs, tmp_path, capsys):
     data = results(sbs, 151.6, 138.8)
     data["llmserve_server"]["vclient-long"] = {**serve(31.4, 303.1), "num_prompts": 16}
     data["vllm_server"]["vclient-long"] = {**serve(26.1, 409.2), "num_prompts": 16}
-    rows = {what: (a, b, met) for what, a, b, _, met in sbs.targets(data)}
+    rows = by_what(sbs, data)
     assert rows["long prompts (1024/128 x 16) at once, output tok/s"] == (31.4, 26.1, None)
     (tmp_path / "results.json").write_text(json.dumps(data))
     sbs.main(["--vllm-python", "x", "--hf-dir", "x", "--out", str(tmp_path), "--summarize"])
-    line = (
-        "| long prompts (1024/128 x 16) at once, output tok/s | 31.40 | 26.1 | 1.20 | (none) |  |"
-    )
+    line = "| long prompts (1024/128 x 16) at once, output tok/s | 31.40 | 26.1 | 1.20 | (none) |  | 1.20 |"
     assert line in (tmp_path / "summary.md").read_text()
     # results from before the long run: no such row, the rest as it was
-    assert not any("long prompts" in r[0] for r in sbs.targets(results(sbs, 151.6, 138.8)))
+    assert not any("long prompts" in r.what for r in sbs.targets(results(sbs, 151.6, 138.8)))
+
+
+def test_rounds_take_medians_of_each_rounds_own_ratio(sbs, tmp_path, capsys):
+    # round 1: 151.6 / 116.2 = 1.30x; round 2: 130 / 116.2 = 1.12x; round 3 vLLM sped up:
+    # 140 / 130 = 1.08x. The median ratio is 1.12 (a miss) although the median of llmserve's
+    # figures over the median of vLLM's (140 / 116.2 = 1.20) would read as met.
+    one, two, three = results(sbs, 151.6, 138.8), results(sbs, 130.0, 138.8), results(sbs, 140, 1)
+    three["vllm_server"]["vclient-inf"] = serve(130.0, 300)
+    data = {"host": one["host"], "dtype": "float32", "rounds": [one, two, three]}
+    row = next(
+        r for r in sbs.targets(data) if r.what == "all at once, output tok/s (vLLM's client)"
+    )
+    assert (row.ours, row.theirs) == (140.0, 116.2)
+    assert row.ratios == pytest.approx([151.6 / 116.2, 130 / 116.2, 140 / 130])
+    assert row.ratio == pytest.approx(130 / 116.2) and row.met is False
+    server = next(r for r in sbs.targets(data) if r.what == "server / offline (vLLM's client)")
+    assert server.ratios == pytest.approx([151.6 / 137.2, 130 / 137.2, 140 / 137.2])
+    assert server.met is True  # median 140 / 137.2 = 1.02
+    (tmp_path / "results.json").write_text(json.dumps(data))
+    sbs.main(["--vllm-python", "x", "--hf-dir", "x", "--out", str(tmp_path), "--summarize"])
+    table = (tmp_path / "summary.md").read_text()
+    assert "3 rounds (medians" in table
+    assert "| 140.00 | 116.2 | 1.12 | >= 1.2x | NO | 1.30 / 1.12 / 1.08 |" in table
+
+
+def test_even_rounds_run_in_reverse_with_prompts_of_their_own(sbs, tmp_path):
+    args = sbs.argparse.Namespace(out=str(tmp_path), dtype="float32")
+    ids = tmp_path / "ids.json"
+    odd, even = sbs.Round(args, 1, ids), sbs.Round(args, 2, ids)
+    names = [part.__name__ for part in odd.parts()]
+    assert names == ["vllm_server", "llmserve_server", "llmserve_offline", "vllm_offline"]
+    assert [part.__name__ for part in even.parts()] == names[::-1]
+    assert (tmp_path / "r1").is_dir() and (tmp_path / "r2").is_dir()
+    seeds = [sbs.seed(r, run) for r in (1, 2, 3) for run in range(sbs.LCLIENT_RUN + 1)]
+    assert len(set(seeds)) == len(seeds)  # no run repeats another's prompts
+    with pytest.raises(RuntimeError, match="no text2sql prompt ids"):
+        even.vllm_offline()  # only after a round that saved them
+
+
+def test_rounds_must_be_positive(sbs, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        sbs.main(["--vllm-python", "x", "--hf-dir", "x", "--out", str(tmp_path), "--rounds", "0"])
+    assert "--rounds must be at least 1, got 0" in capsys.readouterr().err
