@@ -58,6 +58,31 @@ def test_decode_attention_times_both_page_sizes_on_every_layout(capsys):
     assert "pages" in capsys.readouterr().out
 
 
+def test_decode_attention_block_orders():
+    """--block-orders: each sequence's blocks in ascending or descending runs, the same blocks
+    of the pool in both; shuffled tables use each block once; the kernel reads them all."""
+    import torch
+
+    from llmserve.benchmarks import decode_attention
+
+    shape = (9, 3, 64)
+    tables = {
+        order: decode_attention.make_batch(4, 40, 16, torch.float32, shape, 0, True, False, order)[
+            3
+        ]
+        for order in ("shuffled", "ascending", "descending")
+    }
+    assert tables["ascending"].tolist() == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
+    assert torch.equal(tables["descending"], tables["ascending"].flip(1))
+    assert tables["shuffled"].unique().numel() == 12
+    argv = ["--batch", "2", "--contexts", "40", "--dtypes", "float32", "--block-sizes", "16"]
+    argv += ["--k-layouts", "transposed", "--pages", "4k", "--rounds", "1", "--layers", "2"]
+    rows = decode_attention.main(
+        [*argv, "--isas", "scalar", "--block-orders", "ascending", "descending"]
+    )
+    assert sorted(r["blocks"] for r in rows) == ["ascending", "descending"]
+
+
 def test_prompt_attention_steps_are_causal_prompts(capsys):
     """``python -m llmserve.benchmarks.prompt_attention``: a step writes its prompts' K/V at
     their blocks and each row attends its prompt up to itself (the reference agrees), and the

@@ -134,3 +134,22 @@ def test_multi_round_chat_computes_only_new_turn():
     assert out.scheduled[0].num_tokens <= 4 + 3
     engine.run()
     engine.bm.check_idle()
+
+
+def test_blocks_come_back_in_ascending_order():
+    # free() releases a sequence tail first (so a cached prefix keeps its head longest); the
+    # next sequence must still get those blocks in ascending order, as the decode kernel reads
+    # descending blocks as slowly as scattered ones
+    for prefix_caching in (True, False):
+        bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=prefix_caching)
+        first = _seq(list(range(32)))  # the whole pool: ids 0..7 in order
+        bm.allocate(first, 32)
+        assert first.block_ids == list(range(8))
+        first.num_computed_tokens = 32
+        bm.free(first)  # released 7, 6, ..., 0
+        second = _seq(list(range(100, 120)))  # 5 blocks, none cached
+        bm.allocate(second, 20)
+        assert second.block_ids == sorted(second.block_ids) and len(second.block_ids) == 5
+        assert second.block_ids == [3, 4, 5, 6, 7]  # the first five released, ascending
+        bm.free(second)
+        bm.check_idle()

@@ -10,6 +10,9 @@ load from other processes hits them alike (medians reported). Compare the GB/s w
 machine's streaming read rate: decode attention is memory-bound once the kernel keeps up.
 ``--pages huge`` allocates the pools as the engine does (``kv_cache.zeros``: transparent huge
 pages where Linux gives them), ``4k`` as plain tensors, to show what the TLB costs.
+``--block-orders`` adds block tables laid out otherwise: ``ascending`` (each sequence's blocks
+one after another, as a fresh pool hands them out), ``descending`` (each sequence's blocks in
+runs the wrong way round, as the block manager handed them out before it sorted them).
 """
 
 from __future__ import annotations
@@ -35,10 +38,12 @@ def make_batch(
     seed: int,
     keys_transposed: bool = False,
     huge_pages: bool = True,
+    order: str = "shuffled",
 ):
     """q, caches, shuffled block tables and lengths of a decode batch (every context C);
     ``keys_transposed``: K stored as the cpp backend stores it (``kv_cache.allocate``);
-    ``huge_pages``: the pools allocated as the engine allocates them (``kv_cache.zeros``)."""
+    ``huge_pages``: the pools allocated as the engine allocates them (``kv_cache.zeros``);
+    ``order``: shuffled, ascending or descending block tables (module doc)."""
     num_heads, num_kv_heads, head_dim = shape
     gen = torch.Generator().manual_seed(seed)
     blocks = -(-context // block_size)
@@ -55,6 +60,9 @@ def make_batch(
         k_cache = kv_cache.zeros(stored.shape, dtype, cpu).copy_(stored)
         k_cache = k_cache.permute(0, 3, 1, 2) if keys_transposed else k_cache
     tables = torch.randperm(pool, generator=gen)[: batch * blocks].view(batch, blocks).int()
+    if order != "shuffled":
+        tables = torch.arange(batch * blocks, dtype=torch.int32).view(batch, blocks)
+        tables = tables.flip(1) if order == "descending" else tables
     q = torch.randn(batch, num_heads, head_dim, generator=gen).to(dtype)  # [B, H, D]
     seq_lens = torch.full((batch,), context, dtype=torch.int32)
     return q, k_cache, v_cache, tables.contiguous(), seq_lens
@@ -66,12 +74,22 @@ def measure(args: argparse.Namespace) -> list[dict]:
     for context in args.contexts:
         for dtype_name in args.dtypes:
             dtype = getattr(torch, dtype_name)
-            configs = itertools.product(args.block_sizes, args.k_layouts, args.pages)
-            for block_size, layout, pages in configs:
+            configs = itertools.product(
+                args.block_sizes, args.k_layouts, args.pages, args.block_orders
+            )
+            for block_size, layout, pages, order in configs:
                 transposed, huge = layout == "transposed", pages == "huge"
                 layers = [
                     make_batch(
-                        args.batch, context, block_size, dtype, shape, seed, transposed, huge
+                        args.batch,
+                        context,
+                        block_size,
+                        dtype,
+                        shape,
+                        seed,
+                        transposed,
+                        huge,
+                        order,
                     )
                     for seed in range(args.layers)
                 ]
@@ -81,7 +99,7 @@ def measure(args: argparse.Namespace) -> list[dict]:
                     2 * args.layers * args.batch * context * shape[1] * shape[2] * dtype.itemsize
                 )
                 for isa in args.isas:
-                    key = (context, dtype_name, block_size, layout, pages, isa)
+                    key = (context, dtype_name, block_size, layout, pages, order, isa)
                     fns[key] = (layers, out, kv_bytes)
     times: dict = {key: [] for key in fns}
     for _ in range(args.rounds):
@@ -93,9 +111,9 @@ def measure(args: argparse.Namespace) -> list[dict]:
                 times[key].append(time.perf_counter() - start)
     for key, (_, _, nbytes) in fns.items():
         seconds = statistics.median(times[key])
-        context, dtype_name, block_size, layout, pages, isa = key
+        context, dtype_name, block_size, layout, pages, order, isa = key
         rows.append({"context": context, "dtype": dtype_name, "block_size": block_size,
-                     "k_layout": layout, "pages": pages, "isa": isa, "ms_per_layer": seconds * 1e3 / args.layers,
+                     "k_layout": layout, "pages": pages, "blocks": order, "isa": isa, "ms_per_layer": seconds * 1e3 / args.layers,
                      "gbs": nbytes / seconds / 1e9})  # fmt: skip
     return rows
 
@@ -138,6 +156,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
         default=["huge", "4k"],
         choices=["huge", "4k"],
         help="pools on transparent huge pages as the engine allocates them, and/or plain",
+    )
+    p.add_argument(
+        "--block-orders",
+        nargs="+",
+        default=["shuffled"],
+        choices=["shuffled", "ascending", "descending"],
+        help="block tables shuffled across the pool (default), and/or each sequence's blocks "
+        "in ascending or descending runs",
     )
     args = parse_run_args(p, argv, layers=8)
     rows = measure(args)
