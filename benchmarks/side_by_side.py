@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import signal
@@ -113,6 +114,9 @@ def llmserve_cli(*argv: str) -> list[str]:
     return [sys.executable, "-m", "llmserve.entrypoints.cli", *argv]
 
 
+LCLIENT_RUN = 3  # llmserve's client's run number (after vLLM's three), also the offline random's
+
+
 def seed(round_no: int, run_no: int) -> int:
     """The prompt seed of a round's run: the same on both engines, new in every run."""
     return 10 * round_no + run_no
@@ -143,9 +147,6 @@ def clients(args: argparse.Namespace, url: str, tag: str, out: Path, round_no: i
         out / f"{tag}-lclient-inf.txt")  # fmt: skip
     results["lclient-inf"] = json.loads((out / name).read_text())
     return results
-
-
-LCLIENT_RUN = 3  # llmserve's client's run number (after vLLM's three), also the offline random's
 
 
 class Round:
@@ -304,14 +305,13 @@ class Row:
 
 def targets(results: dict) -> list[Row]:
     """Issue 17's targets over all rounds (a row only where every round has it)."""
-    per_round = [round_targets(one) for one in rounds_of(results)]
+    per_round = [{row[0]: row for row in round_targets(one)} for one in rounds_of(results)]
     rows = []
-    for what, *_, target in per_round[0]:
-        found = [next((r for r in rows_ if r[0] == what), None) for rows_ in per_round]
-        if any(r is None for r in found):
+    for what, *_, target in per_round[0].values():
+        if not all(what in one for one in per_round):
             continue
-        ours, theirs = [r[1] for r in found], [r[2] for r in found]
-        own = theirs[0] != theirs[0]  # NaN: llmserve's own ratio
+        ours, theirs = [one[what][1] for one in per_round], [one[what][2] for one in per_round]
+        own = math.isnan(theirs[0])  # llmserve's own ratio
         ratios = ours if own else [a / b for a, b in zip(ours, theirs)]
         rows.append(Row(what, statistics.median(ours), statistics.median(theirs), target, ratios))
     return rows
@@ -329,7 +329,7 @@ def summary(results: dict) -> str:
         "| --- | ---: | ---: | ---: | --- | --- | --- |",
     ]
     for row in targets(results):
-        own = row.theirs != row.theirs
+        own = math.isnan(row.theirs)
         ratio = "" if own else f"{row.ratio:.2f}"
         other = "" if own else f"{row.theirs:.1f}"
         met = "" if row.met is None else "yes" if row.met else "NO"

@@ -58,7 +58,7 @@ def test_decode_attention_times_both_page_sizes_on_every_layout(capsys):
     assert "pages" in capsys.readouterr().out
 
 
-def test_decode_attention_block_orders():
+def test_decode_attention_block_orders(capsys):
     """--block-orders: each sequence's blocks in ascending or descending runs, the same blocks
     of the pool in both; shuffled tables use each block once; the kernel reads them all."""
     import torch
@@ -81,6 +81,8 @@ def test_decode_attention_block_orders():
         [*argv, "--isas", "scalar", "--block-orders", "ascending", "descending"]
     )
     assert sorted(r["blocks"] for r in rows) == ["ascending", "descending"]
+    header = capsys.readouterr().out.splitlines()[1]
+    assert "blocks" in header.split()  # the printed table tells the orders apart
 
 
 def test_prompt_attention_steps_are_causal_prompts(capsys):

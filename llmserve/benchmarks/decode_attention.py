@@ -59,6 +59,7 @@ def make_batch(
         stored = k_cache.permute(0, 2, 3, 1) if keys_transposed else k_cache  # as laid out
         k_cache = kv_cache.zeros(stored.shape, dtype, cpu).copy_(stored)
         k_cache = k_cache.permute(0, 3, 1, 2) if keys_transposed else k_cache
+    # drawn for every order, so q (drawn next) is the same whichever order is asked for
     tables = torch.randperm(pool, generator=gen)[: batch * blocks].view(batch, blocks).int()
     if order != "shuffled":
         tables = torch.arange(batch * blocks, dtype=torch.int32).view(batch, blocks)
@@ -169,7 +170,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = measure(args)
     threads = torch.get_num_threads()
     print(f"paged decode attention, batch {args.batch}, {args.layers} layers, {threads} threads")
-    cols = ("context", "dtype", "block_size", "k_layout", "pages", "isa", "ms_per_layer", "gbs")
+    cols = ("context", "dtype", "block_size", "k_layout", "pages", "blocks", "isa", "ms_per_layer",
+            "gbs")  # fmt: skip
     print(format_table(cols, [[r[c] for c in cols] for r in rows]))
     return rows
 
