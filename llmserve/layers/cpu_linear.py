@@ -20,6 +20,15 @@ weight packed once skips that. Two kernels:
   oneDNN), worth the memory (the default model: 513 MiB more, its LM head included).
 - otherwise oneDNN's blocked layout (1.3-2x ``F.linear``); bf16 weights are packed only where
   oneDNN runs bf16 natively (AVX512_BF16 or AMX; fp32 accumulation inside).
+- bf16 on AMD Zen 4: decode-sized calls take ``kernels.cpu.linear_bf16`` (gemm_bf16.cpp,
+  vdpbf16ps) from a second packed copy, prompt-sized ones stay with oneDNN (at the host's
+  peak there). Timed per layer in the engine (batch 64), oneDNN ran the 576- and 960-wide
+  layers at 220-270 GFLOP/s against about 410 at prompt sizes. The default model's layer
+  shapes, 30 weight copies (from memory), one process, alternated against oneDNN: M = 1-2
+  1.6-2.6x, 8 1.2-2.0x, 32 1.0-1.3x, 64 1.04-1.2x, 128 1.0-1.05x, 256 0.9-1.0x; the LM head's
+  width 1.3-1.6x at 1-2 rows, 1.06x at 8, 0.8-0.97x from 32. Hence up to
+  ``BF16_DECODE_ROWS`` rows for layers, ``BF16_WIDE_ROWS`` for the LM head. Other hosts with
+  AVX512_BF16 (Zen 5, Intel) are not measured and keep oneDNN.
 
 Applied to a plain model after its weights are loaded, like a quantization pass.
 """
@@ -35,6 +44,8 @@ from llmserve.kernels import cpu as cpu_kernels
 
 MAX_OWN_GEMM_FEATURES = 16384  # wider layers (the LM head) keep oneDNN, but on AVX2
 GEMV_ROWS = 2  # gemm_impl.h's kGemvRows: rows that llmserve's GEMM reads the weight once for
+BF16_DECODE_ROWS = 128  # most rows a layer hands llmserve's bf16 GEMM (Zen 4: see above)
+BF16_WIDE_ROWS = 8  # the same for layers wider than MAX_OWN_GEMM_FEATURES (the LM head)
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -66,6 +77,14 @@ def own_gemv_is_faster() -> bool:
     oneDNN takes the rest (``own_gemm_is_faster`` is False): on Zen 4, whose weights are then
     packed for both."""
     return cpu_kernels.available() and is_amd_zen4()
+
+
+def own_bf16_gemm_rows(out_features: int, in_features: int) -> int:
+    """Up to how many rows a bf16 layer of this shape takes llmserve's bf16 GEMM here (0:
+    never; measured on Zen 4 only, see the module docstring)."""
+    if in_features % 2 or not is_amd_zen4() or not cpu_kernels.has_bf16_gemm():
+        return 0
+    return BF16_DECODE_ROWS if out_features <= MAX_OWN_GEMM_FEATURES else BF16_WIDE_ROWS
 
 
 @functools.cache
@@ -110,18 +129,33 @@ class PackedLinear(nn.Module):
         self.gemv_weight = (  # a second copy, for one or two rows (own_gemv_is_faster)
             cpu_kernels.linear_f32_pack(weight) if fp32 and own_gemv_is_faster() else None
         )
+        # bf16: a second copy for decode-sized calls (own_bf16_gemm_rows)
+        self.bf16_rows = (
+            own_bf16_gemm_rows(self.out_features, self.in_features)
+            if weight.dtype == torch.bfloat16
+            else 0
+        )
+        self.bf16_weight = cpu_kernels.linear_bf16_pack(weight) if self.bf16_rows else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.own_gemm:
             return cpu_kernels.linear_f32(x, self.packed_weight, self.out_features, self.bias)
         if self.gemv_weight is not None and x.numel() <= GEMV_ROWS * self.in_features:
             return cpu_kernels.linear_f32(x, self.gemv_weight, self.out_features, self.bias)
+        if (
+            self.bf16_weight is not None
+            and x.numel() <= self.bf16_rows * self.in_features
+            and x.dtype == torch.bfloat16
+        ):
+            return cpu_kernels.linear_bf16(x, self.bf16_weight, self.out_features, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
         kernel = "llmserve fp32 GEMM" if self.own_gemm else "oneDNN"
         if self.gemv_weight is not None:
             kernel += f" (llmserve's for up to {GEMV_ROWS} rows)"
+        if self.bf16_weight is not None:
+            kernel += f" (llmserve's bf16 GEMM for up to {self.bf16_rows} rows)"
         return f"in_features={self.in_features}, out_features={self.out_features}, packed={kernel}"
 
 

@@ -11,6 +11,8 @@
                           one pass over memory each (body: fused_impl.h)
     gemm.cpp              linear_f32_pack, linear_f32: the fp32 linear on a weight packed at
                           load, streamed front to back (body: gemm_impl.h)
+    gemm_bf16.cpp         linear_bf16_pack, linear_bf16: the same for bf16 with vdpbf16ps
+                          (AVX512_BF16 only: ``has_bf16_gemm``), for decode steps' rows
 
 All take float32 or bfloat16 tensors (bf16 is widened to fp32 in registers, accumulated in
 fp32, rounded once when stored) and are threaded with torch's intra-op pool; the GEMM and the
@@ -47,7 +49,14 @@ LIBRARY = NativeLibrary(
     name="llmserve_cpu_kernels",
     namespace="llmserve_cpu",
     sources=[
-        _HERE / n for n in ("paged_attention.cpp", "fused.cpp", "gemm.cpp", "kernels_bindings.cpp")
+        _HERE / n
+        for n in (
+            "paged_attention.cpp",
+            "fused.cpp",
+            "gemm.cpp",
+            "gemm_bf16.cpp",
+            "kernels_bindings.cpp",
+        )
     ],
     headers=[
         _HERE / n
@@ -206,3 +215,22 @@ def linear_f32(
 ) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` for float32 ``x`` [..., in_features] and a packed weight."""
     return _direct().linear_f32(x, packed, out_features, bias)
+
+
+def has_bf16_gemm() -> bool:
+    """Whether ``linear_bf16`` runs here: the kernels built and the CPU has AVX512_BF16."""
+    return available() and "avx512_bf16" in supported_isas()
+
+
+def linear_bf16_pack(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [out_features, in_features] (bfloat16, even in_features) packed for
+    ``linear_bf16``."""
+    return _direct().linear_bf16_pack(weight.detach().contiguous())
+
+
+def linear_bf16(
+    x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` for bfloat16 ``x`` [..., in_features] and a packed weight:
+    fp32 sums, rounded to bf16 once (AVX512_BF16 only)."""
+    return _direct().linear_bf16(x, packed, out_features, bias)

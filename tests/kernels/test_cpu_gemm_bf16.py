@@ -1,0 +1,150 @@
+"""llmserve's bf16 linear (kernels/cpu/gemm_bf16.cpp, AVX512_BF16 only) against the float64
+product of the same bf16 values, and ``PackedLinear`` choosing it for decode-sized calls on
+AMD Zen 4.
+
+The shapes cover the kernel's edges: rows fewer than, equal to and past a register tile (8;
+every remainder takes a tile of its own height) and past a row block (256), columns that do
+not fill the last 48-column panel, K shorter than, equal to and past a slice (64 pairs = 128),
+with and without bias. On a CPU without AVX512_BF16 only the refusals run.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from llmserve.kernels import cpu as cpu_kernels
+from llmserve.layers import cpu_linear
+from llmserve.layers.cpu_linear import BF16_DECODE_ROWS, BF16_WIDE_ROWS, MAX_OWN_GEMM_FEATURES
+
+pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
+
+needs_bf16 = pytest.mark.skipif(
+    not cpu_kernels.has_bf16_gemm(), reason="this CPU has no AVX512_BF16"
+)
+
+SHAPES = [  # (M, K, N)
+    (1, 2, 1),
+    (2, 20, 48),
+    (3, 64, 7),
+    (7, 128, 49),
+    (8, 130, 48),
+    (9, 300, 145),
+    (64, 576, 96),
+    (17, 256, 145),
+    (300, 70, 49),
+]
+
+
+def bf16_inputs(m: int, k: int, n: int, with_bias: bool, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16() if with_bias else None
+    return x, w, b
+
+
+@needs_bf16
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize(("m", "k", "n"), SHAPES)
+def test_linear_bf16_matches_float64(m, k, n, with_bias):
+    """fp32 sums of the bf16 products, rounded to bf16 once: within one bf16 rounding of the
+    exact product."""
+    x, w, b = bf16_inputs(m, k, n, with_bias, seed=m * 1000 + k + n)
+    got = cpu_kernels.linear_bf16(x, cpu_kernels.linear_bf16_pack(w), n, b)
+    want = F.linear(x.double(), w.double(), None if b is None else b.double())
+    assert got.shape == (m, n) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double(), want, rtol=2**-8, atol=1e-5 * k**0.5)
+
+
+@needs_bf16
+@pytest.mark.parametrize("threads", [1, 3])  # 3: more threads than the CI host's cores
+@pytest.mark.parametrize(("m", "n"), [(64, 500), (300, 500), (130, 4050)])
+def test_linear_bf16_computes_every_panel_at_any_thread_count(m, n, threads):
+    x, w, _ = bf16_inputs(m, 200, n, False, seed=m + threads)
+    packed = cpu_kernels.linear_bf16_pack(w)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = cpu_kernels.linear_bf16(x, packed, n)
+    finally:
+        torch.set_num_threads(old)
+    want = F.linear(x.double(), w.double())
+    torch.testing.assert_close(got.double(), want, rtol=2**-8, atol=1e-5 * 200**0.5)
+
+
+@needs_bf16
+def test_linear_bf16_rows_do_not_depend_on_the_batch():
+    """A row alone, or in a tile of another height, gives the same bits: each output is the
+    same in-order sum over k."""
+    x, w, b = bf16_inputs(19, 300, 145, True, seed=7)
+    packed = cpu_kernels.linear_bf16_pack(w)
+    batch = cpu_kernels.linear_bf16(x, packed, 145, b)
+    assert torch.equal(cpu_kernels.linear_bf16(x[3:4], packed, 145, b), batch[3:4])
+    assert torch.equal(cpu_kernels.linear_bf16(x[5:12], packed, 145, b), batch[5:12])
+
+
+@needs_bf16
+def test_linear_bf16_keeps_leading_dims_and_reads_strided_x():
+    x = torch.randn(2, 3, 40).bfloat16()[:, :, ::2]  # [2, 3, 20], not contiguous
+    w = torch.randn(33, 20).bfloat16()
+    got = cpu_kernels.linear_bf16(x, cpu_kernels.linear_bf16_pack(w), 33)
+    assert got.shape == (2, 3, 33)
+    torch.testing.assert_close(
+        got.double(), F.linear(x.double(), w.double()), rtol=2**-8, atol=1e-4
+    )
+
+
+def test_linear_bf16_refuses_what_it_cannot_run():
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        cpu_kernels.linear_bf16_pack(torch.randn(10, 16))
+    with pytest.raises(RuntimeError, match="even"):
+        cpu_kernels.linear_bf16_pack(torch.randn(10, 15).bfloat16())
+    packed = cpu_kernels.linear_bf16_pack(torch.randn(10, 16).bfloat16())
+    x = torch.randn(2, 18).bfloat16()
+    # a CPU without AVX512_BF16 refuses every call; one with it, the mismatched weight
+    match = "does not hold" if cpu_kernels.has_bf16_gemm() else "AVX512_BF16"
+    with pytest.raises(RuntimeError, match=match):
+        cpu_kernels.linear_bf16(x, packed, 10)
+
+
+@pytest.mark.parametrize("zen4", [False, True])
+def test_packed_linear_takes_the_bf16_gemm_for_decode_rows_on_zen4(zen4, monkeypatch):
+    """On Zen 4, bf16 layers take llmserve's GEMM up to BF16_DECODE_ROWS rows (the LM head's
+    width up to BF16_WIDE_ROWS) from a second packed copy, and oneDNN beyond; elsewhere oneDNN
+    throughout."""
+    if not cpu_linear.has_native_bf16():
+        pytest.skip("oneDNN runs no native bf16 matmul on this CPU")
+    if zen4 and not cpu_kernels.has_bf16_gemm():
+        pytest.skip("this CPU has no AVX512_BF16")
+    monkeypatch.setattr(cpu_linear, "is_amd_zen4", lambda: zen4)
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(64, 96), nn.Linear(96, MAX_OWN_GEMM_FEATURES + 1, bias=False)
+    ).bfloat16()
+    x = torch.randn(BF16_DECODE_ROWS + 1, 64).bfloat16()
+    want = model(x).double()
+    assert cpu_linear.pack_linear_layers(model) == 2
+    first, head = model[0], model[1]
+    assert (first.bf16_weight is not None) == zen4 and (head.bf16_weight is not None) == zen4
+    real, used = cpu_kernels.linear_bf16, []
+
+    def spy(x, packed, *args):  # the real kernel, noting which layer's copy it read
+        used.append(packed)
+        return real(x, packed, *args)
+
+    monkeypatch.setattr(cpu_kernels, "linear_bf16", spy)
+    for rows in (1, BF16_WIDE_ROWS, BF16_WIDE_ROWS + 1, BF16_DECODE_ROWS, BF16_DECODE_ROWS + 1):
+        used.clear()
+        got = model(x[:rows]).double()
+        torch.testing.assert_close(got, want[:rows], rtol=0.05, atol=0.05)
+        expected = []
+        if zen4 and rows <= BF16_DECODE_ROWS:
+            expected.append(first.bf16_weight)
+        if zen4 and rows <= BF16_WIDE_ROWS:
+            expected.append(head.bf16_weight)
+        assert [id(w) for w in used] == [id(w) for w in expected], rows
