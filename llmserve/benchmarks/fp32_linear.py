@@ -1,15 +1,19 @@
-"""``python -m llmserve.benchmarks.fp32_linear``: the fp32 CPU linears, llmserve's GEMM
-(kernels/cpu/gemm.cpp) against oneDNN's packed weight and ``F.linear``.
+"""``python -m llmserve.benchmarks.fp32_linear``: the CPU linears, llmserve's GEMM
+(kernels/cpu/gemm.cpp; with ``--dtype bfloat16`` gemm_bf16.cpp, where the CPU has
+AVX512_BF16) against oneDNN's packed weight and ``F.linear``.
 
 For each linear shape of SmolLM2-135M at M rows (1: batch-1 decode, 64: a decode batch, 2048:
 a prompt chunk), ``--layers`` copies of the weight are cycled, as the 30 layers of a forward
 pass are, so that at the default they come from DRAM, not the caches: that is the case a
-decode step meets, and where the kernels differ. Reported per call: microseconds and GFLOP/s.
+decode step meets, and where the kernels differ. Each (layer, M) is timed ``--rounds`` times, the kernels taking turns
+(this kind of VM drifts by 10-20% within minutes); reported per call, the median round:
+microseconds and GFLOP/s.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -17,42 +21,64 @@ from torch.nn import functional as F
 
 from llmserve.benchmarks.kernels import SMOLLM2_SHAPES
 from llmserve.kernels import cpu as cpu_kernels
+from llmserve.layers import cpu_linear
 
 
 def _kernels(weights: list[torch.Tensor]) -> dict[str, tuple]:
     """name -> (x, packed weight -> y, the packed weights)"""
     kernels = {"F.linear": (F.linear, weights)}
-    if torch.backends.mkldnn.is_available():
+    bf16 = weights[0].dtype == torch.bfloat16
+    if torch.backends.mkldnn.is_available() and (not bf16 or cpu_linear.has_native_bf16()):
         onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights]
         kernels["oneDNN packed"] = (
             lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
             onednn,
         )
-    if cpu_kernels.available():
-        n = weights[0].shape[0]
+    n = weights[0].shape[0]
+    if bf16 and cpu_kernels.has_bf16_gemm():
+        ours = [cpu_kernels.linear_bf16_pack(w) for w in weights]
+        kernels["llmserve linear_bf16"] = (lambda x, w: cpu_kernels.linear_bf16(x, w, n), ours)
+    elif not bf16 and cpu_kernels.available():
         ours = [cpu_kernels.linear_f32_pack(w) for w in weights]
         kernels["llmserve linear_f32"] = (lambda x, w: cpu_kernels.linear_f32(x, w, n), ours)
     return kernels
 
 
-def measure(rows: list[int], layers: int, budget_s: float) -> list[dict]:
+def _time_us(fn, x: torch.Tensor, packed: list, budget_s: float) -> float:
+    """Microseconds per call, cycling the weight copies for about ``budget_s``."""
+    for w in packed:  # warm-up: every copy once
+        fn(x, w)
+    rounds, elapsed = 0, 0.0
+    start = time.perf_counter()
+    while elapsed < budget_s or rounds < 2:
+        for w in packed:
+            fn(x, w)
+        rounds += 1
+        elapsed = time.perf_counter() - start
+    return elapsed / (rounds * len(packed)) * 1e6
+
+
+def measure(
+    rows: list[int],
+    layers: int,
+    budget_s: float,
+    dtype: torch.dtype = torch.float32,
+    rounds: int = 1,
+) -> list[dict]:
     results = []
     for layer, n, k in SMOLLM2_SHAPES:
-        copies = max(2, min(layers, (1 << 30) // (n * k * 4)))  # at most 1 GiB per kernel
-        weights = [torch.randn(n, k) * 0.02 for _ in range(copies)]
-        for name, (fn, packed) in _kernels(weights).items():
-            for m in rows:
-                x = torch.randn(m, k)
-                for w in packed:  # warm-up: every copy once
-                    fn(x, w)
-                rounds, elapsed = 0, 0.0
-                start = time.perf_counter()
-                while elapsed < budget_s or rounds < 2:
-                    for w in packed:
-                        fn(x, w)
-                    rounds += 1
-                    elapsed = time.perf_counter() - start
-                us = elapsed / (rounds * len(packed)) * 1e6
+        size = n * k * dtype.itemsize
+        copies = max(2, min(layers, (1 << 30) // size))  # at most 1 GiB per kernel
+        weights = [(torch.randn(n, k) * 0.02).to(dtype) for _ in range(copies)]
+        kernels = _kernels(weights)
+        for m in rows:
+            x = torch.randn(m, k).to(dtype)
+            times: dict[str, list[float]] = {name: [] for name in kernels}
+            for _ in range(rounds):  # the kernels take turns
+                for name, (fn, packed) in kernels.items():
+                    times[name].append(_time_us(fn, x, packed, budget_s))
+            for name, us_list in times.items():
+                us = statistics.median(us_list)
                 results.append(
                     {"layer": layer, "m": m, "n": n, "k": k, "kernel": name, "us": us,
                      "gflops": 2 * m * n * k / us / 1e3}
@@ -83,12 +109,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=30, help="weight copies cycled")
     parser.add_argument("--budget-s", type=float, default=1.0, help="seconds per measurement")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--rounds", type=int, default=1, help="turns per kernel (median)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"fp32 linears, {torch.get_num_threads()} threads, {args.layers} weight copies, "
+    dtype = getattr(torch, args.dtype)
+    print(f"{args.dtype} linears, {torch.get_num_threads()} threads, {args.layers} weight copies, "
+          f"{args.rounds} rounds, "
           f"llmserve ISA {cpu_kernels.current_isa() if cpu_kernels.available() else '-'}")  # fmt: skip
-    print(format_table(measure(args.rows, args.layers, args.budget_s)))
+    print(format_table(measure(args.rows, args.layers, args.budget_s, dtype, args.rounds)))
 
 
 if __name__ == "__main__":

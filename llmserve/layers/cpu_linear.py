@@ -26,7 +26,7 @@ weight packed once skips that. Two kernels:
   layers at 220-270 GFLOP/s against about 410 at prompt sizes. The default model's layer
   shapes, 30 weight copies (from memory), one process, alternated against oneDNN: M = 1-2
   1.6-2.6x, 8 1.2-2.0x, 32 1.0-1.3x, 64 1.04-1.2x, 128 1.0-1.05x, 256 0.9-1.0x; the LM head's
-  width 1.3-1.6x at 1-2 rows, 1.06x at 8, 0.8-0.97x from 32. Hence up to
+  width 1.3-1.6x at 1-2 rows, 1.07-1.09x at 4-6, 0.93-1.06x at 8, 0.8-0.97x from 16. Hence up to
   ``BF16_DECODE_ROWS`` rows for layers, ``BF16_WIDE_ROWS`` for the LM head. Other hosts with
   AVX512_BF16 (Zen 5, Intel) are not measured and keep oneDNN.
 
@@ -45,7 +45,7 @@ from llmserve.kernels import cpu as cpu_kernels
 MAX_OWN_GEMM_FEATURES = 16384  # wider layers (the LM head) keep oneDNN, but on AVX2
 GEMV_ROWS = 2  # gemm_impl.h's kGemvRows: rows that llmserve's GEMM reads the weight once for
 BF16_DECODE_ROWS = 128  # most rows a layer hands llmserve's bf16 GEMM (Zen 4: see above)
-BF16_WIDE_ROWS = 8  # the same for layers wider than MAX_OWN_GEMM_FEATURES (the LM head)
+BF16_WIDE_ROWS = 6  # the same for layers wider than MAX_OWN_GEMM_FEATURES (the LM head)
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:

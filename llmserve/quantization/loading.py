@@ -258,9 +258,12 @@ def weight_bytes_by_dtype(model: nn.Module) -> dict[str, int]:
         if isinstance(module, QuantLinear | LLMInt8Linear):  # bias; LLM.int8's CB and SCB
             for buffer in module.buffers(recurse=False):
                 add(str(buffer.dtype).removeprefix("torch."), buffer)
-        packed = getattr(module, "packed_weight", None)  # a float layer packed for oneDNN
-        if isinstance(packed, torch.Tensor):
-            add(str(packed.dtype).removeprefix("torch."), packed)
+        # a float layer packed for oneDNN or llmserve's GEMM, and its second copy packed for
+        # llmserve's GEMM at decode sizes (PackedLinear on Zen 4)
+        for attr in ("packed_weight", "gemv_weight", "bf16_weight"):
+            packed = getattr(module, attr, None)
+            if isinstance(packed, torch.Tensor):
+                add(str(packed.dtype).removeprefix("torch."), packed)
     return dict(totals)
 
 

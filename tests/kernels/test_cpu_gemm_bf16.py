@@ -148,3 +148,18 @@ def test_packed_linear_takes_the_bf16_gemm_for_decode_rows_on_zen4(zen4, monkeyp
         if zen4 and rows <= BF16_WIDE_ROWS:
             expected.append(head.bf16_weight)
         assert [id(w) for w in used] == [id(w) for w in expected], rows
+
+
+@needs_bf16
+def test_linear_benchmark_times_the_bf16_kernels_in_turns():
+    """``benchmarks.fp32_linear --dtype bfloat16``: every layer shape, each kernel once per
+    round, llmserve's bf16 GEMM among them, and the table has a cell for each."""
+    from llmserve.benchmarks import fp32_linear
+
+    results = fp32_linear.measure([2], layers=2, budget_s=0.0, dtype=torch.bfloat16, rounds=2)
+    kernels = {r["kernel"] for r in results}
+    assert "llmserve linear_bf16" in kernels and "F.linear" in kernels
+    assert len(results) == 5 * len(kernels)  # SmolLM2's five shapes
+    assert all(r["us"] > 0 and r["gflops"] > 0 for r in results)
+    table = fp32_linear.format_table(results)
+    assert table.count("\n") == 2 + 5 - 1 and "linear_bf16" in table
