@@ -62,6 +62,20 @@ def test_linear_bf16_matches_float64(m, k, n, with_bias):
 
 
 @needs_bf16
+def test_linear_bf16_rounds_like_an_fp32_product():
+    """The bf16 result is the fp32 product rounded once (as oneDNN's): equal bits but where
+    the fp32 sums' order moves a value across a rounding boundary."""
+    gen = torch.Generator().manual_seed(3)
+    x = (
+        torch.randn(20, 1536, generator=gen) * torch.randn(1, 1536, generator=gen).exp()
+    ).bfloat16()
+    w = (torch.randn(576, 1536, generator=gen) * 0.05).bfloat16()
+    got = cpu_kernels.linear_bf16(x, cpu_kernels.linear_bf16_pack(w), 576)
+    want = (x.float() @ w.float().T).bfloat16()
+    assert (got == want).float().mean() >= 0.99
+
+
+@needs_bf16
 @pytest.mark.parametrize("threads", [1, 3])  # 3: more threads than the CI host's cores
 @pytest.mark.parametrize(("m", "n"), [(64, 500), (300, 500), (130, 4050)])
 def test_linear_bf16_computes_every_panel_at_any_thread_count(m, n, threads):
