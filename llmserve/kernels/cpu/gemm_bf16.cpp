@@ -5,17 +5,20 @@
 //   linear_bf16(x [M, K], packed, N, bias?)  -> y [M, N]
 //
 // Why our own: at a decode step's rows (M = one per running sequence) oneDNN's bf16 kernel
-// leaves a two-core AMD Zen 4 idle on the narrow layers. Timed per layer inside the engine
-// (SmolLM2 bf16, batch 64), the o and down projections (576 outputs) and q|k|v (960) ran at
-// 220-270 GFLOP/s and the MLP's gate|up (3072) at 335, against about 410 at prompt sizes; the
-// threads wait at oneDNN's barrier (576 columns split into few blocks). Here, as in the fp32
-// GEMM (gemm_impl.h), the weight is packed so a call reads it front to back: panels of 48
+// leaves a two-core AMD Zen 4 idle. Timed per layer inside the engine (SmolLM2 bf16, batch
+// 64), the o and down projections (576 outputs) and q|k|v (960) ran at 220-270 GFLOP/s and
+// the MLP's gate|up (3072) at 335, against about 410 at prompt sizes, and a py-spy profile
+// put 11% of the linears' main-thread samples in OpenMP's barrier; at one or two rows it
+// streamed the weight at half the rate this kernel does. Here, as in the fp32 GEMM
+// (gemm_impl.h), the weight is packed so a call reads it front to back: panels of 48
 // columns, each k pair of a column next to each other (what vdpbf16ps multiplies: one 32-bit
 // lane = two bf16), panels taken by the threads as they come free (parallel.h). A register
-// tile is 8 rows x 48 columns (24 accumulators); a panel is walked slice by slice of K (an
-// L1-sized 24 KB), the tile's fp32 sums kept in a per-thread scratch between slices, and
-// each tile asks for its share of the next slice while it multiplies.
-//
+// tile is 8 rows x 48 columns (24 accumulators); a panel is walked slice by slice of K (64
+// pairs: 12 KB, L1-resident across the row tiles), the tile's fp32 sums kept in a per-thread
+// scratch between slices, and each tile asks for its share of the next slice while it
+// multiplies. Each output is one in-order fp32 sum over k, so a row's result does not depend
+// on the rows beside it. Measured in docs/benchmarks.md (Zen 4, 2026-11-27).
+
 // Only the AVX512_BF16 code exists: PackedLinear packs for it only where the CPU has it.
 
 #include <ATen/ATen.h>
