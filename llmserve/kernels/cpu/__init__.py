@@ -35,6 +35,7 @@ is False and callers keep their plain-torch path.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -217,8 +218,10 @@ def linear_f32(
     return _direct().linear_f32(x, packed, out_features, bias)
 
 
+@functools.cache
 def has_bf16_gemm() -> bool:
-    """Whether ``linear_bf16`` runs here: the kernels built and the CPU has AVX512_BF16."""
+    """Whether ``linear_bf16`` runs here: the kernels built and the CPU has AVX512_BF16
+    (asked once: ``supported_isas`` switches the process-wide path while it probes)."""
     return available() and "avx512_bf16" in supported_isas()
 
 
