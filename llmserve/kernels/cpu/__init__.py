@@ -67,6 +67,7 @@ LIBRARY = NativeLibrary(
             "isa.h",
             "parallel.h",
             "per_isa.h",
+            "linear_io.h",
             "paged_attention_impl.h",
             "fused_impl.h",
             "gemm_impl.h",

@@ -25,6 +25,7 @@
 
 #include "bindings.h"
 #include "isa.h"
+#include "linear_io.h"
 #include "parallel.h"
 #include "vec.h"
 
@@ -69,22 +70,14 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& packed, int64_t n,
               "] weight (pack it with linear_f32_pack)");
   const at::Tensor xc = x.reshape({-1, K}).contiguous();
   const int64_t M = xc.size(0);
-  at::Tensor padded_bias;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == n, "linear_f32: bias must have ", n, " elements");
-    padded_bias = at::zeros({padded_n}, xc.options());
-    padded_bias.narrow(0, 0, n).copy_(bias->reshape({-1}));
-  }
+  const at::Tensor padded_bias = ::llmserve::padded_linear_bias(bias, n, padded_n, "linear_f32");
   at::Tensor y = at::empty({M, padded_n}, xc.options());
   if (M > 0) {
     const float* b = padded_bias.defined() ? padded_bias.data_ptr<float>() : nullptr;
     LLMSERVE_DISPATCH(linear_f32(xc.data_ptr<float>(), M, K, packed.data_ptr<float>(), np, b,
                                  y.data_ptr<float>(), padded_n));
   }
-  if (padded_n != n) y = y.narrow(1, 0, n).contiguous();
-  auto sizes = x.sizes().vec();
-  sizes.back() = n;
-  return y.view(sizes);
+  return ::llmserve::linear_output(y, x, n);
 }
 
 }  // namespace

@@ -27,10 +27,11 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <vector>
+#include <memory>
 
 #include "bindings.h"
 #include "isa.h"
+#include "linear_io.h"
 #include "parallel.h"
 #include "vec.h"  // LLMSERVE_X86 (and immintrin.h there)
 
@@ -161,12 +162,8 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n,
               "] weight (pack it with linear_bf16_pack)");
   const at::Tensor xc = x.reshape({-1, K}).contiguous();
   const int64_t M = xc.size(0);
-  at::Tensor padded_bias;  // fp32, added to the sums before the rounding
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == n, "linear_bf16: bias must have ", n, " elements");
-    padded_bias = at::zeros({padded_n}, xc.options().dtype(at::kFloat));
-    padded_bias.narrow(0, 0, n).copy_(bias->reshape({-1}));
-  }
+  // fp32, added to the sums before the rounding
+  const at::Tensor padded_bias = ::llmserve::padded_linear_bias(bias, n, padded_n, "linear_bf16");
   at::Tensor y = at::empty({M, padded_n}, xc.options());
 #ifdef LLMSERVE_X86
   if (M > 0) {
@@ -177,18 +174,17 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n,
     const int64_t grain = ::llmserve::grain_for(np, kChunksPerThread);
     for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
       const int64_t m1 = std::min(M, m0 + kRowBlock);
+      // the tiles' sums between slices (written by the first slice before any read)
+      const int64_t scratch = (m1 - m0 + kTileRows - 1) / kTileRows * kTileRows * kPanel;
       ::llmserve::parallel_take(
-          np, grain, [&] { return std::vector<float>(kRowBlock * kPanel); },
-          [&](std::vector<float>& scratch, int64_t pb, int64_t pe) {
-            linear_rows(xp, K / 2, wp, b, yp, padded_n, m0, m1, pb, pe, scratch.data());
+          np, grain, [&] { return std::unique_ptr<float[]>(new float[scratch]); },
+          [&](std::unique_ptr<float[]>& sums, int64_t pb, int64_t pe) {
+            linear_rows(xp, K / 2, wp, b, yp, padded_n, m0, m1, pb, pe, sums.get());
           });
     }
   }
 #endif
-  if (padded_n != n) y = y.narrow(1, 0, n).contiguous();
-  auto sizes = x.sizes().vec();
-  sizes.back() = n;
-  return y.view(sizes);
+  return ::llmserve::linear_output(y, x, n);
 }
 
 }  // namespace
