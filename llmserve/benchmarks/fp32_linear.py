@@ -5,9 +5,9 @@ AVX512_BF16) against oneDNN's packed weight and ``F.linear``.
 For each linear shape of SmolLM2-135M at M rows (1: batch-1 decode, 64: a decode batch, 2048:
 a prompt chunk), ``--layers`` copies of the weight are cycled, as the 30 layers of a forward
 pass are, so that at the default they come from DRAM, not the caches: that is the case a
-decode step meets, and where the kernels differ. Each (layer, M) is timed ``--rounds`` times, the kernels taking turns
-(this kind of VM drifts by 10-20% within minutes); reported per call, the median round:
-microseconds and GFLOP/s.
+decode step meets, and where the kernels differ. Each (layer, M) is timed ``--rounds`` times,
+the kernels taking turns (this kind of VM drifts by 10-20% within minutes); reported per call,
+the median round: microseconds and GFLOP/s.
 """
 
 from __future__ import annotations

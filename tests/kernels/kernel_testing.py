@@ -1,7 +1,10 @@
-"""Helpers for the kernel tests: a paged batch with its pool, ALiBi slopes, tolerances."""
+"""Helpers for the kernel tests: a paged batch with its pool, ALiBi slopes, tolerances, a
+thread count for a block."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -93,3 +96,14 @@ def cos_sin_cache(max_pos: int, rot_dim: int, base: float = 10000.0) -> torch.Te
     inv_freq = 1.0 / base ** (torch.arange(0, rot_dim, 2).float() / rot_dim)  # [rot_dim // 2]
     freqs = torch.arange(max_pos).float()[:, None] * inv_freq[None, :]  # [max_pos, rot_dim // 2]
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+
+
+@contextlib.contextmanager
+def num_threads(threads: int) -> Iterator[None]:
+    """torch's intra-op threads (the kernels' pool) set to ``threads`` inside the block."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)

@@ -13,6 +13,7 @@ import shutil
 
 import pytest
 import torch
+from kernel_testing import num_threads
 from torch import nn
 from torch.nn import functional as F
 
@@ -64,12 +65,8 @@ def test_linear_f32_computes_every_panel_at_any_thread_count(m, n, threads):
     gen = torch.Generator().manual_seed(m + threads)
     x, w = torch.randn(m, 200, generator=gen), torch.randn(n, 200, generator=gen)
     packed = cpu_kernels.linear_f32_pack(w)
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with num_threads(threads):
         got = cpu_kernels.linear_f32(x, packed, n)
-    finally:
-        torch.set_num_threads(old)
     want = F.linear(x.double(), w.double()).float()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * (200**0.5))
 

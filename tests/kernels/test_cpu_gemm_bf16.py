@@ -14,6 +14,7 @@ import shutil
 
 import pytest
 import torch
+from kernel_testing import num_threads
 from torch import nn
 from torch.nn import functional as F
 
@@ -81,12 +82,8 @@ def test_linear_bf16_rounds_like_an_fp32_product():
 def test_linear_bf16_computes_every_panel_at_any_thread_count(m, n, threads):
     x, w, _ = bf16_inputs(m, 200, n, False, seed=m + threads)
     packed = cpu_kernels.linear_bf16_pack(w)
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with num_threads(threads):
         got = cpu_kernels.linear_bf16(x, packed, n)
-    finally:
-        torch.set_num_threads(old)
     want = F.linear(x.double(), w.double())
     torch.testing.assert_close(got.double(), want, rtol=2**-8, atol=1e-5 * 200**0.5)
 
