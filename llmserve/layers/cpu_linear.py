@@ -14,10 +14,16 @@ weight packed once skips that. Two kernels:
   (family 19h with AVX-512), where oneDNN's fp32 kernel is the faster one from about 16 rows
   up: in the engine (text2sql 64 x 64, in one process alternating) 1.03-1.13x ours with our
   AVX-512 path and 1.03-1.14x with our AVX2 path; our GEMM loses there at prompt sizes (M =
-  2048: 136-205 GFLOP/s against oneDNN's 205-213, the host's peak) and at M = 64. One or two
-  rows still take ours there, from a second packed copy of each weight: batch 1 streams the
-  weight at about twice oneDNN's rate (``bench latency`` fp32: 52.7 tok/s with ours, 32.6 with
-  oneDNN), worth the memory (the default model: 513 MiB more, its LM head included).
+  2048: 136-205 GFLOP/s against oneDNN's 205-213, the host's peak) and at M = 64 with its
+  slice-by-slice order. Decode-sized calls take ours there, from a second packed copy of each
+  weight (the default model: 513 MiB more, its LM head included): one or two rows for every
+  layer (batch 1 streams the weight at about twice oneDNN's rate, ``bench latency`` fp32: 52.7
+  tok/s with ours, 32.6 with oneDNN), up to ``FP32_DECODE_ROWS`` for layers up to
+  ``MAX_OWN_GEMM_FEATURES`` wide, panel by panel (``whole_panels``, gemm_impl.h's
+  gemm_panels_whole). The default model's layer shapes, 30 weight copies (from memory), one
+  process, three alternated rounds against oneDNN: q|k|v 1.4x at 4 rows, 1.3x at 16, 1.0-1.04x
+  at 64-128; o 2x, 1.4x, 1.2x, 1.05x; gate|up 1.2x, 1.0x, 0.95-1.0x, 0.97x; down 1.5x, 1.3x,
+  1.3x, 1.2x. The LM head stays with oneDNN from 3 rows (0.93x at 64 and 128).
 - otherwise oneDNN's blocked layout (1.3-2x ``F.linear``); bf16 weights are packed only where
   oneDNN runs bf16 natively (AVX512_BF16 or AMX; fp32 accumulation inside).
 - bf16 on AMD Zen 4: decode-sized calls take ``kernels.cpu.linear_bf16`` (gemm_bf16.cpp,
@@ -44,6 +50,7 @@ from llmserve.kernels import cpu as cpu_kernels
 
 MAX_OWN_GEMM_FEATURES = 16384  # wider layers (the LM head) keep oneDNN, but on AVX2
 GEMV_ROWS = 2  # gemm_impl.h's kGemvRows: rows that llmserve's GEMM reads the weight once for
+FP32_DECODE_ROWS = 128  # most rows a layer hands llmserve's fp32 GEMM on Zen 4 (see above)
 BF16_DECODE_ROWS = 128  # most rows a layer hands llmserve's bf16 GEMM (Zen 4: see above)
 BF16_WIDE_ROWS = 6  # the same for layers wider than MAX_OWN_GEMM_FEATURES (the LM head)
 
@@ -72,11 +79,13 @@ def own_gemm_is_faster(out_features: int) -> bool:
     return out_features <= MAX_OWN_GEMM_FEATURES or cpu_kernels.current_isa() == "avx2"
 
 
-def own_gemv_is_faster() -> bool:
-    """Whether one or two rows (batch-1/2 decode) should still take llmserve's GEMM where
-    oneDNN takes the rest (``own_gemm_is_faster`` is False): on Zen 4, whose weights are then
-    packed for both."""
-    return cpu_kernels.available() and is_amd_zen4()
+def own_fp32_decode_rows(out_features: int) -> int:
+    """Up to how many rows an fp32 layer of this width takes llmserve's GEMM where oneDNN
+    takes the rest (``own_gemm_is_faster`` is False), from a second copy packed for ours (0:
+    never): on Zen 4, one or two for the LM head's width, ``FP32_DECODE_ROWS`` below it."""
+    if not cpu_kernels.available() or not is_amd_zen4():
+        return 0
+    return FP32_DECODE_ROWS if out_features <= MAX_OWN_GEMM_FEATURES else GEMV_ROWS
 
 
 def own_bf16_gemm_rows(out_features: int, in_features: int) -> int:
@@ -126,9 +135,9 @@ class PackedLinear(nn.Module):
             self.packed_weight = cpu_kernels.linear_f32_pack(weight)
         else:
             self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, batch_size_hint)
-        self.gemv_weight = (  # a second copy, for one or two rows (own_gemv_is_faster)
-            cpu_kernels.linear_f32_pack(weight) if fp32 and own_gemv_is_faster() else None
-        )
+        # a second copy for decode-sized calls (own_fp32_decode_rows)
+        self.f32_rows = 0 if self.own_gemm or not fp32 else own_fp32_decode_rows(self.out_features)
+        self.f32_weight = cpu_kernels.linear_f32_pack(weight) if self.f32_rows else None
         # bf16: a second copy for decode-sized calls (own_bf16_gemm_rows)
         self.bf16_rows = (
             own_bf16_gemm_rows(self.out_features, self.in_features)
@@ -140,8 +149,10 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.own_gemm:
             return cpu_kernels.linear_f32(x, self.packed_weight, self.out_features, self.bias)
-        if self.gemv_weight is not None and x.numel() <= GEMV_ROWS * self.in_features:
-            return cpu_kernels.linear_f32(x, self.gemv_weight, self.out_features, self.bias)
+        if self.f32_weight is not None and x.numel() <= self.f32_rows * self.in_features:
+            return cpu_kernels.linear_f32(
+                x, self.f32_weight, self.out_features, self.bias, whole_panels=True
+            )
         if (
             self.bf16_weight is not None
             and x.numel() <= self.bf16_rows * self.in_features
@@ -152,8 +163,8 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         kernel = "llmserve fp32 GEMM" if self.own_gemm else "oneDNN"
-        if self.gemv_weight is not None:
-            kernel += f" (llmserve's for up to {GEMV_ROWS} rows)"
+        if self.f32_weight is not None:
+            kernel += f" (llmserve's for up to {self.f32_rows} rows)"
         if self.bf16_weight is not None:
             kernel += f" (llmserve's bf16 GEMM for up to {self.bf16_rows} rows)"
         return f"in_features={self.in_features}, out_features={self.out_features}, packed={kernel}"

@@ -260,7 +260,7 @@ def weight_bytes_by_dtype(model: nn.Module) -> dict[str, int]:
                 add(str(buffer.dtype).removeprefix("torch."), buffer)
         # a float layer packed for oneDNN or llmserve's GEMM, and its second copy packed for
         # llmserve's GEMM at decode sizes (PackedLinear on Zen 4)
-        for attr in ("packed_weight", "gemv_weight", "bf16_weight"):
+        for attr in ("packed_weight", "f32_weight", "bf16_weight"):
             packed = getattr(module, attr, None)
             if isinstance(packed, torch.Tensor):
                 add(str(packed.dtype).removeprefix("torch."), packed)

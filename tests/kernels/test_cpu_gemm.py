@@ -4,7 +4,8 @@ against ``F.linear`` in float64, and ``PackedLinear`` choosing it in a model.
 The shapes cover the kernel's edges: rows fewer than, equal to and past a register tile (8
 with AVX-512, 4 with AVX2; every remainder, which takes a tile of its own height) and past a
 row block (256), columns that do not fill the last 48-column panel, K shorter than, equal to
-and past a slice (128), with and without bias.
+and past a slice (128), with and without bias, in both orders of decode-sized calls (slice by
+slice, and ``whole_panels``: panel by panel over all of K).
 """
 
 from __future__ import annotations
@@ -19,7 +20,12 @@ from torch.nn import functional as F
 
 from llmserve.kernels import cpu as cpu_kernels
 from llmserve.layers import cpu_linear
-from llmserve.layers.cpu_linear import MAX_OWN_GEMM_FEATURES, PackedLinear, pack_linear_layers
+from llmserve.layers.cpu_linear import (
+    FP32_DECODE_ROWS,
+    MAX_OWN_GEMM_FEATURES,
+    PackedLinear,
+    pack_linear_layers,
+)
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
 
@@ -41,32 +47,47 @@ SHAPES = [  # (M, K, N)
 ]
 
 
+@pytest.mark.parametrize("whole_panels", [False, True])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize(("m", "k", "n"), SHAPES)
-def test_linear_f32_matches_float64(isa, m, k, n, with_bias):
+def test_linear_f32_matches_float64(isa, m, k, n, with_bias, whole_panels):
     gen = torch.Generator().manual_seed(m * 1000 + k + n)
     x = torch.randn(m, k, generator=gen)
     w = torch.randn(n, k, generator=gen)
     b = torch.randn(n, generator=gen) if with_bias else None
     packed = cpu_kernels.linear_f32_pack(w)
-    got = cpu_kernels.linear_f32(x, packed, n, b)
+    got = cpu_kernels.linear_f32(x, packed, n, b, whole_panels=whole_panels)
     want = F.linear(x.double(), w.double(), None if b is None else b.double()).float()
     assert got.shape == (m, n)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * (k**0.5))
 
 
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize(("m", "k", "n"), [(3, 129, 200), (64, 300, 96), (17, 256, 145)])
+def test_linear_f32_whole_panels_gives_the_sliced_orders_bits(isa, m, k, n, with_bias):
+    """Panel by panel over all of K or slice by slice, each output is the same sum over k in
+    order (a slice's partial sum is stored and re-loaded as fp32, exactly)."""
+    gen = torch.Generator().manual_seed(m + k + n)
+    x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
+    b = torch.randn(n, generator=gen) if with_bias else None
+    packed = cpu_kernels.linear_f32_pack(w)
+    sliced = cpu_kernels.linear_f32(x, packed, n, b)
+    assert torch.equal(cpu_kernels.linear_f32(x, packed, n, b, whole_panels=True), sliced)
+
+
+@pytest.mark.parametrize("whole_panels", [False, True])
 @pytest.mark.parametrize("threads", [1, 3])  # 3: more threads than the CI host's cores
 # one pass over the weight; blocks of 256 rows; chunks cut to keep y in L2 (85 panels, the
 # last chunk short)
 @pytest.mark.parametrize(("m", "n"), [(64, 500), (300, 500), (200, 4050)])
-def test_linear_f32_computes_every_panel_at_any_thread_count(m, n, threads):
+def test_linear_f32_computes_every_panel_at_any_thread_count(m, n, threads, whole_panels):
     """Panels are handed out in chunks that threads take as they come free (parallel.h): with
     one thread, and with more threads than cores, no output column is left out."""
     gen = torch.Generator().manual_seed(m + threads)
     x, w = torch.randn(m, 200, generator=gen), torch.randn(n, 200, generator=gen)
     packed = cpu_kernels.linear_f32_pack(w)
     with num_threads(threads):
-        got = cpu_kernels.linear_f32(x, packed, n)
+        got = cpu_kernels.linear_f32(x, packed, n, whole_panels=whole_panels)
     want = F.linear(x.double(), w.double()).float()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * (200**0.5))
 
@@ -106,35 +127,37 @@ def test_packed_linear_uses_own_gemm_for_fp32_and_the_lm_head_kernel_of_the_isa(
     isa, zen4, monkeypatch
 ):
     """Layers take llmserve's GEMM; the LM head's width takes oneDNN with AVX-512, ours with
-    AVX2 (measured faster on each); on AMD Zen 4 every layer takes oneDNN."""
+    AVX2 (measured faster on each); on AMD Zen 4 oneDNN takes every layer but decode-sized
+    calls: up to FP32_DECODE_ROWS rows below the LM head's width, one or two at it."""
     if isa not in cpu_kernels.supported_isas():
         pytest.skip(f"this CPU does not run {isa}")
     monkeypatch.setattr(cpu_linear, "is_amd_zen4", lambda: zen4)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 96), nn.Linear(96, MAX_OWN_GEMM_FEATURES + 1, bias=False))
-    x = torch.randn(5, 64)
-    want = model(x)
+    x = torch.randn(FP32_DECODE_ROWS + 1, 64)
+    want = model(x)  # unpacked
     with cpu_kernels.forced_isa(isa):
         assert pack_linear_layers(model) == 2
         first, head = model[0], model[1]
         assert isinstance(first, PackedLinear) and first.own_gemm == (not zen4)
         assert isinstance(head, PackedLinear) and head.own_gemm == (isa == "avx2" and not zen4)
-        for layer in (first, head):  # Zen 4: one or two rows from a copy packed for ours
-            assert (layer.gemv_weight is not None) == zen4
+        for layer in (first, head):  # Zen 4: decode-sized calls from a copy packed for ours
+            assert (layer.f32_weight is not None) == zen4
+        assert (first.f32_rows, head.f32_rows) == ((FP32_DECODE_ROWS, 2) if zen4 else (0, 0))
         real_linear_f32, weights_used = cpu_kernels.linear_f32, []
 
-        def spy(x, packed, *args):  # the real kernel, noting which packed weight it read
+        def spy(x, packed, *args, **kwargs):  # the real kernel, noting which weight it read
             weights_used.append(packed)
-            return real_linear_f32(x, packed, *args)
+            return real_linear_f32(x, packed, *args, **kwargs)
 
         monkeypatch.setattr(cpu_kernels, "linear_f32", spy)
-        for rows in (1, 2, 3):
+        for rows in (1, 2, 3, FP32_DECODE_ROWS, FP32_DECODE_ROWS + 1):
             weights_used.clear()
             torch.testing.assert_close(model(x[:rows]), want[:rows], rtol=1e-4, atol=1e-4)
-            if zen4:  # ours from the second copy for 1-2 rows, oneDNN's for 3
-                expected = [first.gemv_weight, head.gemv_weight] if rows <= 2 else []
+            if zen4:  # the head: ours for 1-2 rows; the first layer: up to FP32_DECODE_ROWS
+                expected = [first.f32_weight] if rows <= FP32_DECODE_ROWS else []
+                expected += [head.f32_weight] if rows <= 2 else []
                 assert [id(w) for w in weights_used] == [id(w) for w in expected]
-        torch.testing.assert_close(model(x), want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize(

@@ -213,10 +213,16 @@ def linear_f32_pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def linear_f32(
-    x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    out_features: int,
+    bias: torch.Tensor | None = None,
+    whole_panels: bool = False,
 ) -> torch.Tensor:
-    """``x @ weight.T (+ bias)`` for float32 ``x`` [..., in_features] and a packed weight."""
-    return _direct().linear_f32(x, packed, out_features, bias)
+    """``x @ weight.T (+ bias)`` for float32 ``x`` [..., in_features] and a packed weight.
+    ``whole_panels``: up to 256 rows take each 48-column panel of the weight over all of K, tile
+    by tile, instead of slice by slice (gemm_impl.h's gemm_panels_whole; the same result)."""
+    return _direct().linear_f32(x, packed, out_features, bias, whole_panels)
 
 
 @functools.cache

@@ -1,7 +1,7 @@
 // The fp32 linear for the CPU: y = x w^T (+ bias) on a weight packed once at load.
 //
-//   linear_f32_pack(w [N, K])               -> packed [ceil(N / 48) * 48 * K] floats
-//   linear_f32(x [M, K], packed, N, bias?)  -> y [M, N]
+//   linear_f32_pack(w [N, K])                             -> packed [ceil(N / 48) * 48 * K]
+//   linear_f32(x [M, K], packed, N, bias?, whole_panels)  -> y [M, N]
 //
 // Why our own: at decode shapes (M = one row per running sequence, 1-128) the weight streams
 // from memory once per step, and oneDNN's fp32 kernel waits on those loads (measured on Zen 5,
@@ -10,8 +10,9 @@
 // (gemm_impl.h: 48-column panels, [k][48] each); each thread asks for its next panel
 // slice while it multiplies the current one, and a register tile of 8 rows x 48 columns
 // (AVX-512; 4 x 24 with AVX2) keeps the FMA units busy. One or two rows (batch 1 or 2) take
-// each panel whole over all of K instead, one stream. Prompt-sized M is taken 256 rows at a
-// time. The result is the plain fp32 product: each output is one sum over k in order.
+// each panel whole over all of K instead, one stream. whole_panels: decode-sized M (up to 256
+// rows) takes each panel whole too, tile by tile (gemm_panels_whole: faster on AMD Zen 4, the
+// caller's choice). Prompt-sized M is taken 256 rows at a time. The result is the plain fp32 product: each output is one sum over k in order.
 //
 // The body (gemm_impl.h) is compiled for AVX-512, AVX2 and plain C++; isa.h picks one at run
 // time.
@@ -60,7 +61,7 @@ at::Tensor linear_f32_pack(const at::Tensor& w) {
 }
 
 at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& packed, int64_t n,
-                      const c10::optional<at::Tensor>& bias) {
+                      const c10::optional<at::Tensor>& bias, bool whole_panels) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.device().is_cpu() && x.dim() >= 1,
               "linear_f32: x must be a float32 CPU tensor [..., in_features]");
   const int64_t K = x.size(-1), np = num_panels(n), padded_n = np * kPanel;
@@ -75,7 +76,7 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& packed, int64_t n,
   if (M > 0) {
     const float* b = padded_bias.defined() ? padded_bias.data_ptr<float>() : nullptr;
     LLMSERVE_DISPATCH(linear_f32(xc.data_ptr<float>(), M, K, packed.data_ptr<float>(), np, b,
-                                 y.data_ptr<float>(), padded_n));
+                                 y.data_ptr<float>(), padded_n, whole_panels));
   }
   return ::llmserve::linear_output(y, x, n);
 }
@@ -90,7 +91,9 @@ void llmserve_bind_gemm(pybind11::module_& m) {
 
 TORCH_LIBRARY_FRAGMENT(llmserve_cpu, m) {
   m.def("linear_f32_pack(Tensor w) -> Tensor");
-  m.def("linear_f32(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
+  m.def(
+      "linear_f32(Tensor x, Tensor packed, int n, Tensor? bias, bool whole_panels=False) -> "
+      "Tensor");
   m.impl("linear_f32_pack", c10::DispatchKey::CPU, &linear_f32_pack);
   m.impl("linear_f32", c10::DispatchKey::CPU, &linear_f32);
 }
