@@ -31,15 +31,20 @@ inline void prefetch(const void* p, int64_t bytes) {
   }
 }
 
-// The block a work item reads next, asked for (prefetch<3>) a few cache lines at a time from
-// inside the kernels' loops (step(), once per iteration of their outer loops), so that its
-// misses are spread over the current block's compute instead of issued in one burst. The
-// lines per step come from the steps the previous block took (the same kernels, so the same
-// count but for a sequence's last, partial block); finish() asks for whatever is left.
+// The block a work item reads next, asked for (into L1, prefetch<3>, or with into_l2 into L2,
+// prefetch<1>) a few cache lines at a time from inside the kernels' loops (step(), once per
+// iteration of their outer loops), so that its misses are spread over the current block's
+// compute instead of issued in one burst. The lines per step come from the steps the previous
+// block took (the same kernels, so the same count but for a sequence's last, partial block);
+// finish() asks for whatever is left.
 struct Ahead {
   const char* cur = nullptr;
   const char* end = nullptr;
   int64_t per_step = 1, steps = 0;
+  bool into_l2 = false;
+  void ask(const char* p, int64_t bytes) const {
+    into_l2 ? prefetch<1>(p, bytes) : prefetch<3>(p, bytes);
+  }
   void begin(const void* p, int64_t bytes) {
     per_step = steps > 0 ? ((bytes + 63) / 64 + steps - 1) / steps : 1;
     steps = 0;
@@ -50,12 +55,12 @@ struct Ahead {
     ++steps;
     const int64_t n = std::min<int64_t>(per_step * 64, end - cur);
     if (n > 0) {
-      prefetch<3>(cur, n);
+      ask(cur, n);
       cur += n;
     }
   }
   void finish() {
-    prefetch<3>(cur, end - cur);
+    ask(cur, end - cur);
     cur = end;
   }
 };
@@ -507,12 +512,18 @@ void attend_chunk(const Shape& sh, const T* k_cache, const T* v_cache, const int
   //   nta and t0 bursts hold the line-fill buffers and the loads behind them wait. The block
   //   two ahead into L2 (prefetcht2) reads 17.6-18.5 GB/s fp32, 14.5-15.7 bf16 (memory 23.9
   //   GB/s); kept so (the spread scheme is not measured on Intel).
-  // - AMD with AVX-512 (Zen 4 measured; Zen 5 not): both, the spread next block and the burst
-  //   two ahead into L2. On a Zen 4 VM (bf16, batch 64 x 320, 32 x 1024 and 16 x 1024 tokens,
-  //   one process, the same pools, the scheme switched per call, nine alternated rounds):
-  //   1.33-1.48x the spread alone on shuffled blocks, 1.60x on descending runs, 1.00-1.16x on
-  //   ascending ones (as a fresh pool hands them out). Zen 3 keeps the spread alone: a
-  //   two-ahead burst (prefetchnta) lost 2-7% there; a prefetcht2 one is not measured on it.
+  // - AMD with AVX-512 (Zen 4 measured; Zen 5 not): both, the next block spread and the one
+  //   two ahead in a burst, each into L2. On a Zen 4 VM (bf16, batch 64 x 320, 32 x 1024 and
+  //   16 x 1024 tokens, one process, the same pools, the scheme switched per call, nine
+  //   alternated rounds): the burst added to the spread (then into L1) read 1.33-1.48x the
+  //   spread alone on shuffled blocks, 1.60x on descending runs, 1.00-1.16x on ascending ones
+  //   (as a fresh pool hands them out). The spread into L2 instead of L1, measured the same
+  //   way (benchmarks.decode_attention shapes, block 16, 8 layers, median of 9): fp32 64 x 320
+  //   16.6 -> 19.2 GB/s shuffled, 24.8 -> 28.5 ascending, 16 x 1024 20.2 -> 22.7; bf16 64 x
+  //   320 21.5 -> 23.2, 32 x 1024 24.1 -> 25.5. A core keeps few L1 misses in flight (the
+  //   line-fill buffers) and more L2 ones, most likely the reason; a third block in a burst
+  //   measured even. Zen 3 keeps the spread alone, into L1: a two-ahead burst (prefetchnta)
+  //   lost 2-7% there; prefetcht2 for either is not measured on it.
   // Prompt rows re-read their sequence's blocks item after item: a context that fits the
   // caches is not asked for (the asking cost 5% of the prompt attention at 256 tokens).
   const bool ask = limits == nullptr || (t1 - t0) * row_bytes * 2 > kCachedContextBytes;
@@ -520,6 +531,7 @@ void attend_chunk(const Shape& sh, const T* k_cache, const T* v_cache, const int
   static const bool burst = !spread || ::llmserve::cpu_supports(::llmserve::Isa::kAvx512);
   const int64_t block_bytes = bs * row_bytes;
   Ahead k_ahead, v_ahead;  // left empty on Intel: step() then asks for nothing
+  k_ahead.into_l2 = v_ahead.into_l2 = spread && burst;  // AMD with AVX-512
   // before block b0 (of the step [s0, s0 + sn)) of the K pass (is_k) or the V pass
   auto ask_ahead = [&](bool is_k, int64_t b0, int64_t s0, int64_t sn) {
     if (!ask) return;
