@@ -4,7 +4,7 @@ AMD Zen 4.
 
 The shapes cover the kernel's edges: rows fewer than, equal to and past a register tile (8;
 every remainder takes a tile of its own height) and past a row block (256), columns that do
-not fill the last 48-column panel, K shorter than, equal to and past a slice (64 pairs = 128),
+not fill the last 48-column panel, K of a pair up to 300 (a tile takes a panel over all of K),
 with and without bias. On a CPU without AVX512_BF16 only the refusals run.
 """
 

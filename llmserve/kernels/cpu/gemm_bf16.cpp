@@ -13,11 +13,16 @@
 // (gemm_impl.h), the weight is packed so a call reads it front to back: panels of 48
 // columns, each k pair of a column next to each other (what vdpbf16ps multiplies: one 32-bit
 // lane = two bf16), panels taken by the threads as they come free (parallel.h). A register
-// tile is 8 rows x 48 columns (24 accumulators); a panel is walked slice by slice of K (64
-// pairs: 12 KB, L1-resident across the row tiles), the tile's fp32 sums kept in a per-thread
-// scratch between slices, and each tile asks for its share of the next slice while it
-// multiplies. Each output is one in-order fp32 sum over k, so a row's result does not depend
-// on the rows beside it. Measured in docs/benchmarks.md (Zen 4, 2026-11-27).
+// tile is 8 rows x 48 columns (24 accumulators) and takes a panel whole, over all of K (55-147
+// KB for the default model: from L2 after the first tile), its sums never leaving the
+// registers; each tile asks for its share of the chunk's next panel while it multiplies.
+// Each output is one in-order fp32 sum over k, so a row's result does not depend on the rows
+// beside it. Measured in docs/benchmarks.md (Zen 4, 2026-11-27). The first version walked a
+// panel slice by slice of K (64 pairs, L1-resident across the row tiles) with the tiles' sums
+// in a per-thread scratch between slices, as the fp32 GEMM does by default; whole panels
+// measured faster (Zen 4, the default model's four layer shapes, 30 weight copies, one
+// process, seven alternated rounds, medians): 64 rows 0.98-1.10x (344-356 -> 348-380
+// GFLOP/s), 16 rows 1.05-1.40x, 128 rows 1.05-1.12x (up to 421), the same bits.
 
 // Only the AVX512_BF16 code exists: PackedLinear packs for it only where the CPU has it.
 
@@ -27,7 +32,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <memory>
 
 #include "bindings.h"
 #include "isa.h"
@@ -37,7 +41,6 @@
 
 namespace {
 constexpr int64_t kPanel = 48;            // output columns per panel (3 vectors of 16)
-constexpr int64_t kSlicePairs = 64;       // k pairs per slice: 64 x 48 x 2 bf16 = 12 KB
 constexpr int64_t kTileRows = 8;          // rows per register tile
 constexpr int64_t kRowBlock = 256;        // rows of x per pass over the weight
 constexpr int64_t kChunksPerThread = 4;   // panel chunks per thread
@@ -46,19 +49,15 @@ constexpr int64_t kPairBytes = kPanel * 4;  // one k pair of a panel: 48 x 2 bf1
 int64_t num_panels(int64_t n) { return (n + kPanel - 1) / kPanel; }
 
 #ifdef LLMSERVE_X86
-// acc (+)= x[r, pairs] . w[pairs, 48 columns] for R rows, kc pairs; ``first``: from zero, else
-// from sums (the scratch, R x 48 floats); ``last``: y = bf16(acc + bias), else the sums are
-// stored back. ``ahead``/``ahead_pairs``: this tile's share of the next slice to fetch.
+// y[r, 48 columns] = bf16(x[r, pairs] . w[pairs, 48 columns] + bias) for R rows, kc pairs.
+// ``ahead``/``ahead_pairs``: this tile's share of the next panel to fetch.
 template <int R>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline void tile(
-    const uint32_t* x, int64_t ldx, const uint16_t* w, int64_t kc, float* sums, bool first,
-    bool last, const float* bias, uint16_t* y, int64_t ldy, const char* ahead,
-    int64_t ahead_pairs) {
+    const uint32_t* x, int64_t ldx, const uint16_t* w, int64_t kc, const float* bias,
+    uint16_t* y, int64_t ldy, const char* ahead, int64_t ahead_pairs) {
   __m512 acc[R][3];
   for (int r = 0; r < R; ++r) {
-    for (int v = 0; v < 3; ++v) {
-      acc[r][v] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + (r * 3 + v) * 16);
-    }
+    for (int v = 0; v < 3; ++v) acc[r][v] = _mm512_setzero_ps();
   }
   for (int64_t k = 0; k < kc; ++k) {
     if (k < ahead_pairs) {  // 192 bytes: three lines
@@ -78,10 +77,6 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline void tile
   }
   for (int r = 0; r < R; ++r) {
     for (int v = 0; v < 3; ++v) {
-      if (!last) {
-        _mm512_storeu_ps(sums + (r * 3 + v) * 16, acc[r][v]);
-        continue;
-      }
       __m512 out = acc[r][v];
       if (bias != nullptr) out = _mm512_add_ps(out, _mm512_loadu_ps(bias + v * 16));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy + v * 16),
@@ -92,46 +87,31 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline void tile
 
 template <int R = kTileRows>
 inline void tile_of(int rows, const uint32_t* x, int64_t ldx, const uint16_t* w, int64_t kc,
-                    float* sums, bool first, bool last, const float* bias, uint16_t* y,
-                    int64_t ldy, const char* ahead, int64_t ahead_pairs) {
+                    const float* bias, uint16_t* y, int64_t ldy, const char* ahead,
+                    int64_t ahead_pairs) {
   if constexpr (R >= 1) {
-    if (rows == R) {
-      return tile<R>(x, ldx, w, kc, sums, first, last, bias, y, ldy, ahead, ahead_pairs);
-    }
-    tile_of<R - 1>(rows, x, ldx, w, kc, sums, first, last, bias, y, ldy, ahead, ahead_pairs);
+    if (rows == R) return tile<R>(x, ldx, w, kc, bias, y, ldy, ahead, ahead_pairs);
+    tile_of<R - 1>(rows, x, ldx, w, kc, bias, y, ldy, ahead, ahead_pairs);
   }
 }
 
-// rows [m0, m1) against panels [pb, pe): each panel slice by slice, every row tile per slice
-// (the slice stays in L1 across them), the next slice (or the next panel's first) asked for
-// by the tiles in shares.
+// rows [m0, m1) against panels [pb, pe): each panel whole, row tile by row tile (the panel
+// stays in L2 across them), the chunk's next panel asked for by the tiles in shares.
 void linear_rows(const uint32_t* x, int64_t K2, const uint16_t* packed, const float* bias,
-                 uint16_t* y, int64_t ldy, int64_t m0, int64_t m1, int64_t pb, int64_t pe,
-                 float* scratch) {
+                 uint16_t* y, int64_t ldy, int64_t m0, int64_t m1, int64_t pb, int64_t pe) {
   const int64_t tiles = (m1 - m0 + kTileRows - 1) / kTileRows;
   for (int64_t p = pb; p < pe; ++p) {
     const uint16_t* panel = packed + p * K2 * 2 * kPanel;
-    for (int64_t k0 = 0; k0 < K2; k0 += kSlicePairs) {
-      const int64_t kc = std::min(kSlicePairs, K2 - k0);
-      const bool first = k0 == 0, last = k0 + kSlicePairs >= K2;
-      const uint16_t* w = panel + k0 * 2 * kPanel;
-      const char* ahead = nullptr;
-      int64_t ahead_pairs = 0;
-      if (!last) {
-        ahead = reinterpret_cast<const char*>(w + kc * 2 * kPanel);
-        ahead_pairs = std::min(kSlicePairs, K2 - k0 - kSlicePairs);
-      } else if (p + 1 < pe) {
-        ahead = reinterpret_cast<const char*>(panel + K2 * 2 * kPanel);
-        ahead_pairs = std::min(kSlicePairs, K2);
-      }
-      for (int64_t t = 0; t < tiles; ++t) {
-        const int64_t m = m0 + t * kTileRows;
-        const int rows = static_cast<int>(std::min(kTileRows, m1 - m));
-        const int64_t kb = ahead_pairs * t / tiles, ke = ahead_pairs * (t + 1) / tiles;
-        tile_of(rows, x + m * K2 + k0, K2, w, kc, scratch + t * kTileRows * kPanel, first, last,
-                bias == nullptr ? nullptr : bias + p * kPanel, y + m * ldy + p * kPanel, ldy,
-                ahead == nullptr ? nullptr : ahead + kb * kPairBytes, ke - kb);
-      }
+    const char* ahead =
+        p + 1 < pe ? reinterpret_cast<const char*>(panel + K2 * 2 * kPanel) : nullptr;
+    const int64_t ahead_pairs = ahead == nullptr ? 0 : K2;
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int64_t m = m0 + t * kTileRows;
+      const int rows = static_cast<int>(std::min(kTileRows, m1 - m));
+      const int64_t kb = ahead_pairs * t / tiles, ke = ahead_pairs * (t + 1) / tiles;
+      tile_of(rows, x + m * K2, K2, panel, K2, bias == nullptr ? nullptr : bias + p * kPanel,
+              y + m * ldy + p * kPanel, ldy, ahead == nullptr ? nullptr : ahead + kb * kPairBytes,
+              ke - kb);
     }
   }
 }
@@ -174,13 +154,9 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n,
     const int64_t grain = ::llmserve::grain_for(np, kChunksPerThread);
     for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
       const int64_t m1 = std::min(M, m0 + kRowBlock);
-      // the tiles' sums between slices (written by the first slice before any read)
-      const int64_t scratch = (m1 - m0 + kTileRows - 1) / kTileRows * kTileRows * kPanel;
-      ::llmserve::parallel_take(
-          np, grain, [&] { return std::unique_ptr<float[]>(new float[scratch]); },
-          [&](std::unique_ptr<float[]>& sums, int64_t pb, int64_t pe) {
-            linear_rows(xp, K / 2, wp, b, yp, padded_n, m0, m1, pb, pe, sums.get());
-          });
+      ::llmserve::parallel_take(np, grain, [&](int64_t pb, int64_t pe) {
+        linear_rows(xp, K / 2, wp, b, yp, padded_n, m0, m1, pb, pe);
+      });
     }
   }
 #endif
