@@ -1,5 +1,6 @@
 """``python -m llmserve.benchmarks.fp32_linear``: the CPU linears, llmserve's GEMM
-(kernels/cpu/gemm.cpp; with ``--dtype bfloat16`` gemm_bf16.cpp, where the CPU has
+(kernels/cpu/gemm.cpp, in both orders of a decode-sized call: slice by slice, and panel by
+panel with ``whole_panels``; with ``--dtype bfloat16`` gemm_bf16.cpp, where the CPU has
 AVX512_BF16) against oneDNN's packed weight and ``F.linear``.
 
 For each linear shape of SmolLM2-135M at M rows (1: batch-1 decode, 64: a decode batch, 2048:
@@ -41,6 +42,10 @@ def _kernels(weights: list[torch.Tensor]) -> dict[str, tuple]:
     elif not bf16 and cpu_kernels.available():
         ours = [cpu_kernels.linear_f32_pack(w) for w in weights]
         kernels["llmserve linear_f32"] = (lambda x, w: cpu_kernels.linear_f32(x, w, n), ours)
+        kernels["llmserve whole panels"] = (  # the order PackedLinear uses on Zen 4
+            lambda x, w: cpu_kernels.linear_f32(x, w, n, whole_panels=True),
+            ours,
+        )
     return kernels
 
 
