@@ -136,7 +136,7 @@ class PackedLinear(nn.Module):
         else:
             self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, batch_size_hint)
         # a second copy for decode-sized calls (own_fp32_decode_rows)
-        self.f32_rows = 0 if self.own_gemm or not fp32 else own_fp32_decode_rows(self.out_features)
+        self.f32_rows = own_fp32_decode_rows(self.out_features) if fp32 else 0
         self.f32_weight = cpu_kernels.linear_f32_pack(weight) if self.f32_rows else None
         # bf16: a second copy for decode-sized calls (own_bf16_gemm_rows)
         self.bf16_rows = (

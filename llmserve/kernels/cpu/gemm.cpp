@@ -12,7 +12,8 @@
 // (AVX-512; 4 x 24 with AVX2) keeps the FMA units busy. One or two rows (batch 1 or 2) take
 // each panel whole over all of K instead, one stream. whole_panels: decode-sized M (up to 256
 // rows) takes each panel whole too, tile by tile (gemm_panels_whole: faster on AMD Zen 4, the
-// caller's choice). Prompt-sized M is taken 256 rows at a time. The result is the plain fp32 product: each output is one sum over k in order.
+// caller's choice). Prompt-sized M is taken 256 rows at a time. The result is the plain fp32
+// product: each output is one sum over k in order.
 //
 // The body (gemm_impl.h) is compiled for AVX-512, AVX2 and plain C++; isa.h picks one at run
 // time.
