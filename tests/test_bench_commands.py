@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -212,6 +213,18 @@ def test_serve_benchmark_against_real_server(server, tmp_path):
     report = read_json(out)
     assert report["completed"] == 3 and report["max_concurrency"] == 1
     assert report["request_rate"] == "inf"
+
+
+@pytest.mark.skipif(not has_serve_command(), reason="`llmserve serve` does not exist yet")
+def test_serve_benchmark_says_what_went_wrong(server, capsys):
+    """A wrong model name fails on the untimed first request, with the server's answer;
+    a URL where nothing listens fails on listing the models."""
+    argv = ["bench", "serve", *TINY, "--num-prompts", "1", "--disable-tqdm"]
+    assert main([*argv, "--base-url", server, "--served-model-name", "no-such-model"]) != 0
+    assert re.search(r"test request .* failed: HTTP 404.*no-such-model", capsys.readouterr().err)
+    closed = f"http://127.0.0.1:{free_port()}"
+    assert main([*argv, "--base-url", closed]) != 0
+    assert re.search(r"cannot list models at .*/v1/models", capsys.readouterr().err)
 
 
 VOCAB_CUT = 2048  # transformers reads the file six times here: 4 s each over all 49,152 tokens

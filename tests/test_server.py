@@ -8,6 +8,7 @@ finish correctly and share engine steps (seen in /metrics).
 from __future__ import annotations
 
 import asyncio
+import sys
 
 import httpx
 import openai
@@ -250,3 +251,13 @@ def test_metrics_are_exposed(server):
         assert "llmserve:" + name in samples, name
     assert samples["llmserve:generation_tokens_total"] > 0
     assert samples['llmserve:request_success_total{finished_reason="length"}'] > 0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/PID/maps")
+def test_server_runs_uvloop_and_httptools(server, client, model):
+    """uvicorn picked the C event loop and HTTP parser (mapped into the server process)."""
+    complete(client, model)  # a request parsed and answered by the running server
+    with open(f"/proc/{server.proc.pid}/maps") as f:
+        mapped = f.read()
+    assert "/uvloop/loop." in mapped
+    assert "/httptools/parser/parser." in mapped
