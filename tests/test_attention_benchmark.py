@@ -20,11 +20,34 @@ def test_cpu_mode_writes_json(tmp_path, capsys):
         parts = step["attention_ms"] + step["matmul_ms"] + step["other_ms"]
         assert step["step_ms"] > 0 and parts >= step["step_ms"] * 0.99
         assert 0 < step["attention_share"] < 1 and 0 < step["matmul_share"] < 1
+        assert step["kv_read_gbs"] > 0
+        # one timed step (--repeats 1): the projections add up to the step's matmul time
+        names = [row["projection"] for row in step["projections"]]
+        assert names == ["qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"]
+        total = sum(row["ms"] for row in step["projections"])
+        assert abs(total - step["matmul_ms"]) < 1e-6 * step["matmul_ms"] + 1e-9
+        assert all(row["gflops"] > 0 and row["weight_gbs"] > 0 for row in step["projections"])
     for row in paged:
         assert row["batch"] == 2 and row["paged_ms"] > 0 and row["contiguous_sdpa_ms"] > 0
         assert row["paged_path"] == "cpp" and row["paged_cpp_ms"] == row["paged_ms"]
         assert row["max_abs_diff"] < 1e-4  # every path attends over the same K/V
-    assert "paged (C++ kernel; torch gathered tiles) vs SDPA" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "paged (C++ kernel; torch gathered tiles) vs SDPA" in out
+    assert "its matmuls by projection" in out and "float32" in out
+
+
+def test_cpu_step_runs_in_bfloat16(tmp_path):
+    """``--dtype bfloat16``: the model and its K/V in bf16; half the K/V bytes of fp32."""
+    path = tmp_path / "attention.json"
+    argv = ["--batch", "2", "--contexts", "16", "--repeats", "1", "--skip-gpu"]
+    steps = {}
+    for dtype in ("float32", "bfloat16"):
+        attention.main([*argv, "--dtype", dtype, "--output-json", str(path)])
+        report = json.loads(path.read_text())["cpu"]
+        assert report["dtype"] == dtype
+        steps[dtype] = report["step"][0]
+    kv_bytes = {d: s["kv_read_gbs"] * s["attention_ms"] for d, s in steps.items()}
+    assert abs(kv_bytes["bfloat16"] / kv_bytes["float32"] - 0.5) < 1e-6
 
 
 def test_decode_attention_times_both_page_sizes_on_every_layout(capsys):

@@ -2,9 +2,12 @@
 the attention paths are.
 
 CPU (always):
-  step    one decode step of the model at batch B and context C: time in attention (KV write,
-          paged attention and its per-step plan), in matmuls (nn.Linear projections and the
-          LM head) and in everything else (norms, rotary, activation, embedding, adds)
+  step    one decode step of the model at batch B and context C (``--dtype``): time in
+          attention (KV write, paged attention and its per-step plan; GB/s of K/V read), in
+          matmuls (nn.Linear projections and the LM head) and in everything else (norms,
+          rotary, activation, embedding, adds); the matmuls also one by one, summed over the
+          layers (qkv_proj, o_proj, gate_up_proj, down_proj, lm_head) with their GFLOP/s and
+          weight GB/s, to hold against ``../shared/tools/roofline.py``
   paged   paged decode attention vs SDPA over the same K/V stored contiguously: the C++
           kernel (backend cpp, reads blocks in place) and the torch path (gathered tiles)
 GPU (when CUDA is available; ``--skip-gpu`` to leave out):
@@ -81,35 +84,47 @@ def interleaved_ms(
 
 
 class OpTimer:
-    """Accumulates wall time spent inside linear layers (matmul) and Attention calls."""
+    """Accumulates wall time spent inside linear layers (matmul) and Attention calls, and per
+    projection name (the last part of a linear's module name, summed over the layers): seconds
+    and FLOPs in ``projections[name]``."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device):
         self.device = device
         self.totals = {"matmul": 0.0, "attention": 0.0}
+        self.projections: dict[str, list[float]] = {}  # name -> [seconds, flops]
         self._start: dict[int, float] = {}
-        for module in model.modules():
+        for name, module in model.named_modules():
             kind = "matmul" if isinstance(module, LINEAR_TYPES) else None
             kind = "attention" if isinstance(module, Attention) else kind
             if kind:
                 module.register_forward_pre_hook(self._enter)
-                module.register_forward_hook(self._exit_hook(kind))
+                module.register_forward_hook(self._exit_hook(kind, name.rsplit(".", 1)[-1]))
 
     def _enter(self, module, args) -> None:
         _sync(self.device)
         self._start[id(module)] = time.perf_counter()
 
-    def _exit_hook(self, kind: str):
+    def _exit_hook(self, kind: str, name: str):
         def hook(module, args, output) -> None:
             _sync(self.device)
-            self.totals[kind] += time.perf_counter() - self._start.pop(id(module))
+            seconds = time.perf_counter() - self._start.pop(id(module))
+            self.totals[kind] += seconds
+            if kind == "matmul":  # x [rows, in] @ W^T [in, out]: 2 * rows * in * out
+                self.add_projection(name, seconds, 2.0 * args[0].numel() * module.out_features)
 
         return hook
 
     def add(self, kind: str, seconds: float) -> None:
         self.totals[kind] += seconds
 
+    def add_projection(self, name: str, seconds: float, flops: float) -> None:
+        entry = self.projections.setdefault(name, [0.0, 0.0])
+        entry[0] += seconds
+        entry[1] += flops
+
     def reset(self) -> None:
         self.totals = dict.fromkeys(self.totals, 0.0)
+        self.projections = {}
 
 
 # ---- a synthetic decode batch ---------------------------------------------------------------
@@ -154,7 +169,13 @@ def decode_batch(
 
 
 # ---- CPU: step breakdown --------------------------------------------------------------------
-def load_model(model: str | None, load_format: str, device: torch.device, backend: str):
+def load_model(
+    model: str | None,
+    load_format: str,
+    device: torch.device,
+    backend: str,
+    dtype: torch.dtype | None = None,
+):
     """The model with its weights (or random ones for ``dummy``) and its config."""
     from llmserve.config import EngineConfig
     from llmserve.loader import load_config, resolve_model
@@ -164,7 +185,8 @@ def load_model(model: str | None, load_format: str, device: torch.device, backen
     hf_config = load_config(resolved)
     config = EngineConfig.from_kwargs(model=model, load_format=load_format)
     max_len = hf_config.max_position_embeddings
-    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    if dtype is None:
+        dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     return load(resolved, hf_config, config, max_len, dtype, device, backend), hf_config
 
 
@@ -178,10 +200,11 @@ def step_breakdown(model, batch: int, context: int, repeats: int, block_size: in
         keys_transposed=attn.attn.backend == "cpp",
     )  # fmt: skip
     kv_caches = [kv] * len(model.layers)  # one pool shared by every layer (see module doc)
-    input_ids = torch.randint(0, model.config.vocab_size, (batch,), device=device)
+    vocab = model.config.vocab_size
+    input_ids = torch.randint(0, vocab, (batch,), device=device)
     positions = torch.full((batch,), context - 1, device=device)
     timer = OpTimer(model, device)
-    steps = []
+    steps, projections = [], []
     for i in range(repeats + 1):  # the first step warms up
         timer.reset()
         start = time.perf_counter()
@@ -190,16 +213,23 @@ def step_breakdown(model, batch: int, context: int, repeats: int, block_size: in
                 meta.plan = build_plan(meta, block_size, native_decode=attn.attn.backend == "cpp")
                 timer.add("attention", time.perf_counter() - start)
             hidden = model(input_ids, positions, kv_caches, meta)
-            logits_start, hooked = time.perf_counter(), timer.totals["matmul"]
+            hooked, projected = timer.totals["matmul"], dict(timer.projections)
+            logits_start = time.perf_counter()
             model.compute_logits(hidden)  # all matmul, whether or not it goes through a hook
             _sync(device)
-            timer.totals["matmul"] = hooked + time.perf_counter() - logits_start
+            seconds = time.perf_counter() - logits_start
+            timer.totals["matmul"] = hooked + seconds
+            timer.projections = projected  # the LM head counted once, whole, as lm_head
+            timer.add_projection("lm_head", seconds, 2.0 * batch * hidden.shape[-1] * vocab)
         total = time.perf_counter() - start
         if i:
             steps.append({"total": total, **timer.totals})
+            projections.append({name: tuple(v) for name, v in timer.projections.items()})
     step_ms = statistics.median(s["total"] for s in steps) * 1e3  # parts: medians as well
     parts = {k: statistics.median(s[k] for s in steps) * 1e3 for k in ("attention", "matmul")}
     other = max(step_ms - parts["attention"] - parts["matmul"], 0.0)
+    kv_bytes = 2 * batch * context * len(model.layers) * attn.num_kv_heads * attn.head_dim
+    kv_bytes *= dtype.itemsize
     return {
         "batch": batch,
         "context": context,
@@ -211,7 +241,24 @@ def step_breakdown(model, batch: int, context: int, repeats: int, block_size: in
         "attention_share": parts["attention"] / step_ms,
         "matmul_share": parts["matmul"] / step_ms,
         "other_share": other / step_ms,
+        "kv_read_gbs": kv_bytes / parts["attention"] / 1e6,
+        "projections": projection_rows(projections, batch, dtype.itemsize, step_ms),
     }
+
+
+def projection_rows(
+    steps: list[dict[str, tuple[float, float]]], rows: int, itemsize: int, step_ms: float
+) -> list[dict]:
+    """Per projection, summed over the layers: median ms per step, share of the step, GFLOP/s,
+    and the weights' GB/s (a call of ``rows`` rows does 2 * rows FLOPs per weight element)."""
+    table = []
+    for name in steps[0]:
+        ms = statistics.median(s[name][0] for s in steps) * 1e3
+        flops = steps[0][name][1]
+        weight_bytes = flops / (2 * rows) * itemsize
+        table.append({"projection": name, "ms": ms, "share": ms / step_ms,
+                      "gflops": flops / ms / 1e6, "weight_gbs": weight_bytes / ms / 1e6})  # fmt: skip
+    return table
 
 
 # ---- CPU: paged vs contiguous ---------------------------------------------------------------
@@ -273,13 +320,15 @@ def paged_vs_contiguous(
 
 # ---- driver ---------------------------------------------------------------------------------
 def run_cpu(args: argparse.Namespace) -> dict:
-    backend = resolve_attention_backend("auto", torch.device("cpu"), torch.float32)
-    model, hf_config = load_model(args.model, args.load_format, torch.device("cpu"), backend)
+    dtype = getattr(torch, args.dtype)
+    backend = resolve_attention_backend("auto", torch.device("cpu"), dtype)
+    model, hf_config = load_model(args.model, args.load_format, torch.device("cpu"), backend, dtype)
     steps = [step_breakdown(model, args.batch, c, args.repeats) for c in args.contexts]
     attn = model.layers[0].self_attn
     shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
     paged = [paged_vs_contiguous(args.batch, c, *shape, args.repeats) for c in args.contexts]
     return {"model": args.model or "default (SmolLM2-135M)", "threads": torch.get_num_threads(), "backend": backend,
+            "dtype": args.dtype,
             "heads_kv_heads_head_dim": shape, "step": steps, "paged_vs_contiguous": paged}  # fmt: skip
 
 
@@ -294,12 +343,16 @@ def print_report(report: dict) -> None:
 
 def print_cpu(cpu: dict) -> None:
     print(
-        f"\nCPU decode step, batch {cpu['step'][0]['batch']}, {cpu['model']}, {cpu['threads']} threads, "
-        f"attention backend {cpu.get('backend', 'torch')}"
+        f"\nCPU decode step, batch {cpu['step'][0]['batch']}, {cpu['model']}, {cpu['dtype']}, "
+        f"{cpu['threads']} threads, attention backend {cpu['backend']}"
     )
     cols = ("context", "step_ms", "step_min_ms", "attention_ms", "matmul_ms", "other_ms", "attention_share",
-            "matmul_share", "other_share")  # fmt: skip
+            "matmul_share", "other_share", "kv_read_gbs")  # fmt: skip
     print(format_table(cols, [[r[c] for c in cols] for r in cpu["step"]]))
+    step = cpu["step"][0]
+    print(f"\nits matmuls by projection, summed over the layers (context {step['context']})")
+    cols = ("projection", "ms", "share", "gflops", "weight_gbs")
+    print(format_table(cols, [[r[c] for c in cols] for r in step["projections"]]))
     print(
         "\nCPU decode attention, one layer: paged (C++ kernel; torch gathered tiles) vs SDPA on contiguous K/V"
     )
@@ -324,6 +377,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model for the CPU step (default: SmolLM2)")
     p.add_argument("--load-format", default="dummy", choices=("auto", "dummy"),
                    help="dummy: random weights (same speed, no loading)")  # fmt: skip
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="CPU step: the model's dtype (bfloat16: native on AVX512_BF16 / AMX)")  # fmt: skip
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--contexts", type=int, nargs="+", default=[256, 1024, 4096])
     p.add_argument("--repeats", type=int, default=10, help="timed runs (medians reported)")
