@@ -8,18 +8,18 @@ docs):
     python benchmarks/side_by_side.py --vllm-python /work/vllm_venv/bin/python \\
         --hf-dir /tmp/smollm2-hf --dtype float32 --rounds 2 --out /tmp/sbs-float32
 
-A round: vLLM's server with vLLM's client (all requests at once, then 4 requests/s, then a
-quarter as many requests of 1024-token prompts at once: decode at longer contexts, no target)
-and llmserve's client (at once); llmserve's server with the same four; llmserve offline (text2sql
-64 x 64, saving its prompt ids; random 256/128 x 64 on the prompts llmserve's client sent; batch
-1, 256 tokens); vLLM offline on the same text2sql ids and batch 1 (benchmarks/vllm_cpu_peer.py
-offline). Every run sends prompts of its own (a seed per run and round, the same for both
-engines), so no run finds an earlier one's prompts in a prefix cache. Even rounds run the four
-parts in reverse order, so a VM that speeds up or slows down over a run (10% within minutes on
-the hosts measured) favours neither engine. Every command's output is kept in --out/rN, with
-host.json (CPU flags, commit) and summary.md, the table printed at the end: each figure is the
-median over rounds, each ratio the median of the rounds' own ratios, and a target is met when
-that ratio meets it:
+A round: vLLM's server with vLLM's client and llmserve's, all requests at once, back to back
+(llmserve's first in even rounds), then vLLM's client at 4 requests/s and on a quarter as many
+requests of 1024-token prompts at once (decode at longer contexts, no target); llmserve's server
+with the same four; llmserve offline (text2sql 64 x 64, saving its prompt ids; random 256/128 x
+64 on the prompts llmserve's client sent; batch 1, 256 tokens); vLLM offline on the same
+text2sql ids and batch 1 (benchmarks/vllm_cpu_peer.py offline). Every run sends prompts of its
+own (a seed per run and round, the same for both engines), so no run finds an earlier one's
+prompts in a prefix cache. Even rounds run the four parts in reverse order, so a VM that speeds
+up or slows down over a run (10% within minutes on the hosts measured) favours neither engine.
+Every command's output is kept in --out/rN, with host.json (CPU flags, commit) and summary.md,
+the table printed at the end: each figure is the median over rounds, each ratio the median of
+the rounds' own ratios, and a target is met when that ratio meets it:
 
     all at once, output tok/s    >= 1.2x vLLM's, with each client
     4 requests/s, mean TPOT      below vLLM's
@@ -114,7 +114,7 @@ def llmserve_cli(*argv: str) -> list[str]:
     return [sys.executable, "-m", "llmserve.entrypoints.cli", *argv]
 
 
-LCLIENT_RUN = 3  # llmserve's client's run number (after vLLM's three), also the offline random's
+LCLIENT_RUN = 3  # the seed number of llmserve's client's run (vLLM's are 0-2), also the offline random's
 
 
 def seed(round_no: int, run_no: int) -> int:
@@ -123,12 +123,12 @@ def seed(round_no: int, run_no: int) -> int:
 
 
 def clients(args: argparse.Namespace, url: str, tag: str, out: Path, round_no: int) -> dict:
-    """vLLM's client at once and at 4 requests/s (and at once on long prompts), llmserve's at
-    once: their JSON results."""
+    """Both clients at once, back to back (llmserve's first in even rounds), then vLLM's at 4
+    requests/s and at once on long prompts: their JSON results. The two all-at-once runs sit
+    side by side so that the VM's drift over a server's runs (minutes) falls on neither client."""
     results = {}
-    runs = [("inf", "inf", 256, args.num_prompts), ("4", "4", 256, args.num_prompts),
-            ("long", "inf", LONG_PROMPT, max(1, args.num_prompts // 4))]  # fmt: skip
-    for run_no, (label, rate, prompt_len, prompts) in enumerate(runs):
+
+    def vllm_client(run_no: int, label: str, rate: str, prompt_len: int, prompts: int) -> None:
         name = f"{tag}-vclient-{label}.json"
         run([args.vllm_python, str(PEER), "bench", "serve", "--backend", "openai",
              "--base-url", url, "--model", NAME, "--tokenizer", args.hf_dir,
@@ -138,14 +138,22 @@ def clients(args: argparse.Namespace, url: str, tag: str, out: Path, round_no: i
              "--seed", str(seed(round_no, run_no)), "--save-result", "--result-dir", str(out),
              "--result-filename", name], out / f"{tag}-vclient-{label}.txt")  # fmt: skip
         results[f"vclient-{label}"] = json.loads((out / name).read_text())
-    name = f"{tag}-lclient-inf.json"
-    run(llmserve_cli("bench", "serve", "--base-url", url, "--served-model-name", NAME,
-                     "--workload", "random", "--input-len", "256", "--output-len", "128",
-                     "--num-prompts", str(args.num_prompts), "--request-rate", "inf",
-                     "--dataset-seed", str(seed(round_no, LCLIENT_RUN)), "--disable-tqdm",
-                     "--output-json", str(out / name)),
-        out / f"{tag}-lclient-inf.txt")  # fmt: skip
-    results["lclient-inf"] = json.loads((out / name).read_text())
+
+    def llmserve_client() -> None:
+        name = f"{tag}-lclient-inf.json"
+        run(llmserve_cli("bench", "serve", "--base-url", url, "--served-model-name", NAME,
+                         "--workload", "random", "--input-len", "256", "--output-len", "128",
+                         "--num-prompts", str(args.num_prompts), "--request-rate", "inf",
+                         "--dataset-seed", str(seed(round_no, LCLIENT_RUN)), "--disable-tqdm",
+                         "--output-json", str(out / name)),
+            out / f"{tag}-lclient-inf.txt")  # fmt: skip
+        results["lclient-inf"] = json.loads((out / name).read_text())
+
+    at_once = [lambda: vllm_client(0, "inf", "inf", 256, args.num_prompts), llmserve_client]
+    for client in at_once if round_no % 2 else at_once[::-1]:
+        client()
+    vllm_client(1, "4", "4", 256, args.num_prompts)
+    vllm_client(2, "long", "inf", LONG_PROMPT, max(1, args.num_prompts // 4))
     return results
 
 
