@@ -114,7 +114,7 @@ def llmserve_cli(*argv: str) -> list[str]:
     return [sys.executable, "-m", "llmserve.entrypoints.cli", *argv]
 
 
-LCLIENT_RUN = 3  # the seed number of llmserve's client's run (vLLM's are 0-2), also the offline random's
+LCLIENT_RUN = 3  # seed number of llmserve's client's run (vLLM's: 0-2) and of the offline random
 
 
 def seed(round_no: int, run_no: int) -> int:
