@@ -14,7 +14,8 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
-from llmserve.benchmarks.attention import decode_batch, time_ms
+from llmserve.benchmarks.attention import time_ms
+from llmserve.benchmarks.decode_step import decode_batch
 from llmserve.benchmarks.report import format_table
 
 # HBM peak bandwidth (GB/s) by device name fragment; --hbm-peak-gbs overrides.
