@@ -91,12 +91,23 @@ VARLEN_CASES = {
 }
 
 
+def as_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: str):
+    """``[T, width]`` each, contiguous, or (``fused``) column slices of one ``[T, q + k + v]``
+    tensor, as a fused QKV projection leaves them: rows strided, columns unit."""
+    if rows == "contiguous":
+        return q, k, v
+    qkv = torch.cat([q, k, v], dim=1)
+    q_end, k_end = q.shape[1], q.shape[1] + k.shape[1]
+    return qkv[:, :q_end], qkv[:, q_end:k_end], qkv[:, k_end:]
+
+
+@pytest.mark.parametrize("rows", ["contiguous", "fused"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", VARLEN_CASES.values(), ids=VARLEN_CASES.keys())
-def test_paged_attention_varlen_matches_fp32_reference(isa, case, dtype, layout):
+def test_paged_attention_varlen_matches_fp32_reference(isa, case, dtype, layout, rows):
     """Any step in one call: the new K/V are written at their slots (NaN there before), then
-    every query row attends causally over its sequence's context."""
+    every query row attends causally over its sequence's context; q/k/v may be strided rows."""
     head_dim, block_size, num_heads, num_kv_heads, q_lens, seq_lens = case
     batch = make_paged_batch(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype)
     slots = [
@@ -113,10 +124,10 @@ def test_paged_attention_varlen_matches_fp32_reference(isa, case, dtype, layout)
     k_cache = in_layout(k_cache, layout)
     scale = head_dim**-0.5
     tokens = batch.q.shape[0]
+    q, k, v = (x.reshape(tokens, -1) for x in (batch.q, new_k, new_v))
     out = cpu_kernels.paged_attention(
-        batch.q.reshape(tokens, -1), new_k.reshape(tokens, -1), new_v.reshape(tokens, -1),
-        k_cache, v_cache, slot_mapping, batch.block_tables, batch.seq_lens,
-        batch.query_start_loc, scale,
+        *as_rows(q, k, v, rows), k_cache, v_cache, slot_mapping, batch.block_tables,
+        batch.seq_lens, batch.query_start_loc, scale,
     )  # fmt: skip
     torch.testing.assert_close(k_cache, batch.k_cache, equal_nan=True, rtol=0, atol=0)
     torch.testing.assert_close(v_cache, batch.v_cache, equal_nan=True, rtol=0, atol=0)
@@ -139,6 +150,51 @@ def test_paged_attention_rejects_bad_query_starts():
         cpu_kernels.paged_attention(*args[:-1], short, batch.query_start_loc, 0.1)
     with pytest.raises(RuntimeError, match=r"int32 \[num_seqs \+ 1\]"):
         cpu_kernels.paged_attention(*args, batch.query_start_loc.long(), 0.1)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_decode_attention_writes_strided_rows(dtype, layout):
+    """A decode step in one call (decode_attention) on q/k/v sliced from one fused QKV tensor:
+    the same K/V pools and outputs as writing them by hand and attending with
+    paged_decode_attention on contiguous copies."""
+    head_dim, block_size, num_heads, num_kv_heads, seq_lens = DECODE_CASES["many-seqs-bs16"]
+    batch = make_paged_batch(
+        [1] * len(seq_lens), seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype
+    )
+    tokens = len(seq_lens)
+    last = batch.seq_lens.long() - 1
+    slot_mapping = batch.block_tables[torch.arange(tokens), last // block_size] * block_size
+    slot_mapping = (slot_mapping + last % block_size).long()  # [tokens]
+    new_k = torch.stack([k[-1] for k in batch.keys]).reshape(tokens, -1)
+    new_v = torch.stack([v[-1] for v in batch.values]).reshape(tokens, -1)
+    k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
+    for cache in (k_cache, v_cache):
+        cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = float("nan")
+    k_cache = in_layout(k_cache, layout)
+    q, k, v = as_rows(batch.q.reshape(tokens, -1), new_k, new_v, "fused")
+    assert not q.is_contiguous()
+    args = (slot_mapping, batch.block_tables, batch.seq_lens, head_dim**-0.5)
+    out = cpu_kernels.decode_attention(q, k, v, k_cache, v_cache, *args)
+    torch.testing.assert_close(k_cache, batch.k_cache, equal_nan=True, rtol=0, atol=0)
+    torch.testing.assert_close(v_cache, batch.v_cache, equal_nan=True, rtol=0, atol=0)
+    expected = cpu_kernels.paged_decode_attention(
+        batch.q, k_cache, v_cache, batch.block_tables, batch.seq_lens, head_dim**-0.5
+    )
+    torch.testing.assert_close(out, expected.reshape(tokens, -1), rtol=0, atol=0)
+
+
+def test_kv_write_rejects_bad_slots_and_dtypes():
+    batch = make_paged_batch([1, 1], [5, 9], 4, 2, 64, 8)
+    q, k = batch.q.reshape(2, -1), torch.zeros(2, 2 * 64)
+    tail = (batch.block_tables, batch.seq_lens, 0.1)
+    capacity = batch.k_cache.shape[0] * batch.k_cache.shape[1]
+    with pytest.raises(RuntimeError, match=f"slot_mapping\\[1\\] = {capacity} is outside"):
+        slots = torch.tensor([0, capacity])
+        cpu_kernels.decode_attention(q, k, k, batch.k_cache, batch.v_cache, slots, *tail)
+    with pytest.raises(RuntimeError, match="v must be \\[T, kvh \\* D\\] with contiguous rows"):
+        slots = torch.tensor([0, 1])
+        cpu_kernels.decode_attention(q, k, k.bfloat16(), batch.k_cache, batch.v_cache, slots, *tail)
 
 
 def test_paged_decode_rejects_mixed_dtypes():

@@ -83,6 +83,7 @@ struct Batch {
   Shape sh;
   int64_t num_seqs, max_blocks;
   bool is_bf16;
+  int64_t q_stride;  // elements from one token's query row to the next (>= num_heads * D)
   const void *q, *k_cache, *v_cache;
   const int32_t *tables, *lens;  // tables: [num_seqs, max_blocks], lens: [num_seqs]
   void* out;
@@ -139,11 +140,12 @@ Batch check_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
               "block_tables and seq_lens must be int32");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && block_tables.dim() == 2 && out.sizes() == q.sizes(),
               "expected q and out [seqs, heads, dim], cache [blocks, block_size, kv_heads, dim]");
-  TORCH_CHECK(q.is_contiguous() && (k_cache.is_contiguous() || keys_transposed(k_cache)) &&
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && q.stride(0) >= q.size(1) * q.size(2) &&
+                  (k_cache.is_contiguous() || keys_transposed(k_cache)) &&
                   v_cache.is_contiguous() && out.is_contiguous() && block_tables.is_contiguous() &&
                   seq_lens.is_contiguous(),
-              "paged_decode_attention (CPU) takes contiguous tensors (k_cache may be the transposed "
-              "view that kv_cache.allocate makes)");
+              "paged_decode_attention (CPU) takes contiguous tensors (q's rows may be strided, "
+              "k_cache may be the transposed view that kv_cache.allocate makes)");
   TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "k_cache and v_cache shapes differ");
   Batch b;
   b.sh.num_heads = q.size(1);
@@ -164,6 +166,7 @@ Batch check_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
               "block_tables and seq_lens disagree on the number of sequences");
   b.is_bf16 = dtype == at::kBFloat16;
   b.q = q.data_ptr();
+  b.q_stride = q.stride(0);
   b.k_cache = k_cache.data_ptr();
   b.v_cache = v_cache.data_ptr();
   b.tables = block_tables.data_ptr<int32_t>();
@@ -197,56 +200,58 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
   LLMSERVE_DISPATCH(run(b, chunks));
 }
 
-// k rows [T, kvh * D] (rows may be strided) into a transposed K pool: element j = h * D + d
-// of token t goes to block[h][d][offset], j * block_size past the token's slot in its block.
-template <typename E>
-void scatter_transposed(const E* k, int64_t k_stride, int64_t tokens, const int64_t* slots,
-                        E* cache, int64_t bs, int64_t row, int64_t capacity) {
-  for (int64_t t = 0; t < tokens; ++t) {
-    TORCH_CHECK(slots[t] >= 0 && slots[t] < capacity, "slot_mapping[", t, "] = ", slots[t],
-                " is outside the pool's ", capacity, " slots");
-    E* dst = cache + slots[t] / bs * bs * row + slots[t] % bs;
-    const E* src = k + t * k_stride;
-    for (int64_t j = 0; j < row; ++j) dst[j * bs] = src[j];
-  }
-}
-
-void write_keys_transposed(const char* op, const at::Tensor& k, at::Tensor& k_cache,
-                           const at::Tensor& slot_mapping) {
-  const int64_t bs = k_cache.size(1), row = k_cache.size(2) * k_cache.size(3);
-  TORCH_CHECK(k.dim() == 2 && k.size(1) == row && k.stride(1) == 1 &&
-                  k.scalar_type() == k_cache.scalar_type(),
-              op, ": k must be [T, kvh * D] with contiguous rows, in the cache's dtype");
+// k or v rows [T, kvh * D] (rows may be strided, unit column stride) at their slots of a
+// [blocks, block_size, kvh, D] pool, or of a transposed K pool (element j = h * D + d of a
+// token at block[h][d][offset]); the rows must be in the pool's dtype.
+void write_rows(const char* op, const char* name, const at::Tensor& x, at::Tensor& cache,
+                const at::Tensor& slot_mapping) {
+  const int64_t bs = cache.size(1), row = cache.size(2) * cache.size(3);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == row && x.stride(1) == 1 &&
+                  x.scalar_type() == cache.scalar_type(),
+              op, ": ", name, " must be [T, kvh * D] with contiguous rows, in the cache's dtype");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
-                  slot_mapping.numel() == k.size(0),
+                  slot_mapping.numel() == x.size(0),
               op, ": slot_mapping must be int64 [T]");
+  TORCH_CHECK(cache.element_size() == 4 || cache.element_size() == 2,
+              op, ": the K/V pools must be float32 or bfloat16");
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  const int64_t capacity = k_cache.size(0) * bs;
-  if (k_cache.element_size() == 4) {
-    scatter_transposed(static_cast<const uint32_t*>(k.data_ptr()), k.stride(0), k.size(0), slots,
-                       static_cast<uint32_t*>(k_cache.data_ptr()), bs, row, capacity);
+  const int64_t capacity = cache.size(0) * bs, tokens = x.size(0), stride = x.stride(0);
+  const bool transposed = !cache.is_contiguous();  // keys_transposed, checked by the caller
+  auto scatter = [&](auto* dst_pool, const auto* src_rows) {
+    for (int64_t t = 0; t < tokens; ++t) {
+      TORCH_CHECK(slots[t] >= 0 && slots[t] < capacity, op, ": slot_mapping[", t, "] = ",
+                  slots[t], " is outside the pool's ", capacity, " slots");
+      const auto* src = src_rows + t * stride;
+      if (transposed) {
+        auto* dst = dst_pool + slots[t] / bs * bs * row + slots[t] % bs;
+        for (int64_t j = 0; j < row; ++j) dst[j * bs] = src[j];
+      } else {
+        std::copy(src, src + row, dst_pool + slots[t] * row);
+      }
+    }
+  };
+  if (cache.element_size() == 4) {
+    scatter(static_cast<uint32_t*>(cache.data_ptr()), static_cast<const uint32_t*>(x.data_ptr()));
   } else {
-    TORCH_CHECK(k_cache.element_size() == 2, op, ": the K pool must be float32 or bfloat16");
-    scatter_transposed(static_cast<const uint16_t*>(k.data_ptr()), k.stride(0), k.size(0), slots,
-                       static_cast<uint16_t*>(k_cache.data_ptr()), bs, row, capacity);
+    scatter(static_cast<uint16_t*>(cache.data_ptr()), static_cast<const uint16_t*>(x.data_ptr()));
   }
 }
 
 // this step's k/v rows ([T, kvh * D], rows may be strided) written at their pool slots;
-// returns q [T, H * D] as a contiguous [T, H, D]
+// returns q [T, H * D] as [T, H, D] (a view when its rows only are strided)
 at::Tensor write_kv_and_split_heads(const char* op, const at::Tensor& q, const at::Tensor& k,
                                     const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
                                     const at::Tensor& slot_mapping) {
-  TORCH_CHECK(k_cache.dim() == 4, op, ": k_cache must be [blocks, block_size, kvh, D]");
-  const int64_t tokens = q.size(0), kv_heads = k_cache.size(2), head_dim = k_cache.size(3);
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4 && v_cache.is_contiguous() &&
+                  (k_cache.is_contiguous() || keys_transposed(k_cache)),
+              op, ": k_cache and v_cache must be [blocks, block_size, kvh, D] pools (K may be "
+              "the transposed view that kv_cache.allocate makes)");
+  const int64_t tokens = q.size(0), head_dim = k_cache.size(3);
   TORCH_CHECK(q.dim() == 2 && q.size(1) % head_dim == 0, op, ": q must be [T, H * D]");
-  if (keys_transposed(k_cache) && !k_cache.is_contiguous()) {
-    write_keys_transposed(op, k, k_cache, slot_mapping);
-  } else {
-    k_cache.view({-1, kv_heads, head_dim}).index_copy_(0, slot_mapping, k.view({tokens, kv_heads, head_dim}));
-  }
-  v_cache.view({-1, kv_heads, head_dim}).index_copy_(0, slot_mapping, v.view({tokens, kv_heads, head_dim}));
-  return q.reshape({tokens, q.size(1) / head_dim, head_dim}).contiguous();
+  write_rows(op, "k", k, k_cache, slot_mapping);
+  write_rows(op, "v", v, v_cache, slot_mapping);
+  const at::Tensor rows = q.stride(1) == 1 ? q : q.contiguous();
+  return rows.view({tokens, q.size(1) / head_dim, head_dim});
 }
 
 // A step of decodes only, in one call: this step's k/v rows written at their pool slots, then
@@ -257,7 +262,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
                             const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
   const at::Tensor q3 =
       write_kv_and_split_heads("decode_attention", q, k, v, k_cache, v_cache, slot_mapping);
-  at::Tensor out = at::empty_like(q3);
+  at::Tensor out = at::empty({q3.size(0), q3.size(1), q3.size(2)}, q3.options());
   paged_decode_attention(q3, k_cache, v_cache, block_tables, seq_lens, scale, out);
   return out.view({q.size(0), q.size(1)});
 }
@@ -274,7 +279,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   const at::Tensor q3 =
       write_kv_and_split_heads("paged_attention", q, k, v, k_cache, v_cache, slot_mapping);
   const int64_t tokens = q.size(0);
-  at::Tensor out = at::empty_like(q3);
+  at::Tensor out = at::empty({q3.size(0), q3.size(1), q3.size(2)}, q3.options());
   const Batch b = check_inputs(q3, k_cache, v_cache, block_tables, seq_lens, scale, out);
   TORCH_CHECK(query_start.scalar_type() == at::kInt && query_start.is_contiguous() &&
                   query_start.numel() == b.num_seqs + 1,

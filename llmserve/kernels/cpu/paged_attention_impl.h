@@ -626,7 +626,7 @@ void attend_per_sequence(const Batch& b) {
   auto scratch = [&] { return Scratch(b.sh); };
   ::llmserve::parallel_take(b.num_seqs, 1, scratch, [&](Scratch& w, int64_t begin, int64_t end) {
     for (int64_t s = begin; s < end; ++s) {
-      scaled_query(b.sh, q + s * H * D, w);
+      scaled_query(b.sh, q + s * b.q_stride, w);
       attend_chunk(b.sh, static_cast<const T*>(b.k_cache),
                    static_cast<const T*>(b.v_cache), b.tables + s * b.max_blocks, 0, b.lens[s], w,
                    w.acc.data(), w.m.data(), w.l.data());
@@ -659,7 +659,7 @@ void attend_split(const Batch& b, int64_t chunks) {
         std::fill(l, l + H, 0.f);
         continue;
       }
-      scaled_query(b.sh, q + s * H * D, w);
+      scaled_query(b.sh, q + s * b.q_stride, w);
       attend_chunk(b.sh, static_cast<const T*>(b.k_cache),
                    static_cast<const T*>(b.v_cache), b.tables + s * b.max_blocks, t0, t1, w,
                    part_acc.data() + item * H * D, m, l);
@@ -736,7 +736,7 @@ void attend_varlen(const Batch& b, const int32_t* query_start) {
           for (int64_t i = 0; i < G; ++i) {
             const int64_t vh = (g * item.rows + r) * G + i;
             limits[vh] = first + item.row0 + r + 1;
-            load_query(vs, q + ((row + r) * H + g * G + i) * D, vh, w);
+            load_query(vs, q + (row + r) * b.q_stride + (g * G + i) * D, vh, w);
           }
         }
       }
