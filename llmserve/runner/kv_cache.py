@@ -109,7 +109,7 @@ def allocate(
     With the ``cpp`` attention backend each K block is stored as ``[num_kv_heads, head_dim,
     block_size]`` and returned as a view with the usual shape, so every reader that indexes it
     still works, while the C++ kernels read a row of block_size tokens per head dimension as
-    one vector (scores without sums across lanes; paged_attention_impl.h)."""
+    one vector (scores without sums across lanes; dots_t in attention_scores_impl.h)."""
     shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
 
     def keys() -> torch.Tensor:

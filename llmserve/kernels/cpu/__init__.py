@@ -1,7 +1,9 @@
 """Native CPU kernels (C++), compiled on first use with torch's extension builder.
 
     paged_attention.cpp   paged_decode_attention: decode attention reading K/V in place
-                          from the paged pool (body: paged_attention_impl.h); decode_attention:
+                          from the paged pool (bodies: paged_attention_impl.h, its work items;
+                          attention_chunk_impl.h, the online softmax; attention_scores_impl.h,
+                          q . k on either K layout); decode_attention:
                           a decode-only step's K/V write and attention in one call;
                           paged_attention: the same for any step (prompt chunks, causal)
     kernels_bindings.cpp  the hot functions bound directly for Python (``_direct()``: no
@@ -69,6 +71,8 @@ LIBRARY = NativeLibrary(
             "per_isa.h",
             "linear_io.h",
             "paged_attention_impl.h",
+            "attention_scores_impl.h",
+            "attention_chunk_impl.h",
             "fused_impl.h",
             "gemm_impl.h",
         )

@@ -32,7 +32,8 @@ inline bool cpu_supports(Isa isa) {
   return isa == Isa::kScalar;
 }
 
-// AMD's and Intel's cores answer software prefetch hints differently (paged_attention_impl.h)
+// AMD's and Intel's cores answer software prefetch hints differently (attend_chunk,
+// attention_chunk_impl.h)
 inline bool cpu_is_amd() {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
   static const bool amd = [] {
