@@ -8,6 +8,7 @@ finish correctly and share engine steps (seen in /metrics).
 from __future__ import annotations
 
 import asyncio
+import re
 import sys
 
 import httpx
@@ -255,8 +256,13 @@ def test_metrics_are_exposed(server):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/PID/maps")
 def test_server_runs_uvloop_and_httptools(server, client, model):
-    """uvicorn picked the C event loop and HTTP parser (mapped into the server process)."""
+    """uvicorn runs on the C event loop and HTTP parser: the running loop and protocol class
+    it logs at start-up, and both libraries mapped into the server process."""
     complete(client, model)  # a request parsed and answered by the running server
+    started = re.search(r"event loop (\S+), HTTP protocol (\S+)", server.logs())
+    assert started is not None, server.logs()
+    assert started.group(1).startswith("uvloop."), started.group(0)
+    assert "httptools" in started.group(2), started.group(0)
     with open(f"/proc/{server.proc.pid}/maps") as f:
         mapped = f.read()
     assert "/uvloop/loop." in mapped

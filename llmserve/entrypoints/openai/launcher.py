@@ -12,6 +12,7 @@ CPU per streamed chunk is taken from the forward step.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import signal
@@ -107,11 +108,21 @@ def run_server(args: argparse.Namespace) -> int:
 
 
 class GracefulServer(uvicorn.Server):
-    """uvicorn, plus: on the first SIGINT / SIGTERM, end the requests in flight."""
+    """uvicorn, plus: the event loop and HTTP protocol it runs on, logged once it listens;
+    on the first SIGINT / SIGTERM, end the requests in flight."""
 
     def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None]) -> None:
         super().__init__(config)
         self._on_exit = on_exit
+
+    async def startup(self, sockets: Any = None) -> None:
+        await super().startup(sockets=sockets)
+        loop = type(asyncio.get_running_loop())
+        protocol = self.config.http_protocol_class
+        logger.info(
+            "event loop %s.%s, HTTP protocol %s.%s",
+            loop.__module__, loop.__qualname__, protocol.__module__, protocol.__qualname__,
+        )  # fmt: skip
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if not self.should_exit:
