@@ -5,10 +5,12 @@
                      block and weight group (llama.cpp's scheme); or to two int8 digits per
                      value (int8x2: 15 bits per block, two dots per weight vector)
     quant_gemm.h     the AVX-512 VNNI and AVX2 tiles
+    quant_activations.h  x quantized per block (natural order, or the tiles' pair layout)
     quant_float.cpp  quant_linear_f32: float activations, weights decoded in registers
                      (AVX-512 / AVX2 / portable, chosen at run time); tiles of 64 rows decoded
                      to an L2-sized buffer and multiplied by ATen's GEMM for M >= 16. Exact up
                      to summation order: the engine's default CPU path
+    quant_float_gemv_impl.h  its decode-shape kernels (AVX-512, AVX2)
 
 Unlike the kernels in ``__init__.py`` this extension is built for the baseline x86-64 target
 (no ``-march=native``): the SIMD code carries per-function target attributes and the path is
@@ -39,7 +41,10 @@ LIBRARY = NativeLibrary(
     name="llmserve_cpu_quant",
     namespace="llmserve_quant",
     sources=[_HERE / n for n in ("quant_gemm.cpp", "quant_float.cpp", "quant_bindings.cpp")],
-    headers=[_HERE / n for n in ("bindings.h", "quant_gemm.h")],
+    headers=[
+        _HERE / n
+        for n in ("bindings.h", "quant_gemm.h", "quant_activations.h", "quant_float_gemv_impl.h")
+    ],
     cflags=[],
     probe_ops=("quant_linear", "quant_linear_f32"),
 )
