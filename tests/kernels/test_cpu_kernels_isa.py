@@ -184,6 +184,28 @@ def test_decode_attention_writes_strided_rows(dtype, layout):
     torch.testing.assert_close(out, expected.reshape(tokens, -1), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("seq_lens", [[9], [5, 9, 14]], ids=["one-row", "three-rows"])
+def test_paged_attention_takes_any_query_layout(seq_lens):
+    """q with columns apart (a transposed [H * D, T]) or, for one row, any row stride: the
+    same output as from a contiguous q."""
+    batch = make_paged_batch([1] * len(seq_lens), seq_lens, 4, 2, 64, 8)
+    tokens = len(seq_lens)
+    q = batch.q.reshape(tokens, -1)
+    column_major = q.t().contiguous().t()  # [T, H * D], strides (1, T)
+    assert column_major.stride(1) == tokens
+    positions = batch.seq_lens.long() - 1
+    slots = batch.block_tables[torch.arange(tokens), positions // 8].long() * 8 + positions % 8
+    new_k = torch.stack([k[-1] for k in batch.keys]).reshape(tokens, -1)
+    new_v = torch.stack([v[-1] for v in batch.values]).reshape(tokens, -1)
+    tail = (slots, batch.block_tables, batch.seq_lens, batch.query_start_loc, 0.125)
+    outs = [
+        cpu_kernels.paged_attention(x, new_k, new_v, batch.k_cache, batch.v_cache, *tail)
+        for x in (q, column_major)
+    ]
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
+    torch.testing.assert_close(outs[0].view(tokens, 4, 64), fp32_reference(batch, 0.125))
+
+
 def test_kv_write_rejects_bad_slots_and_dtypes():
     batch = make_paged_batch([1, 1], [5, 9], 4, 2, 64, 8)
     q, k = batch.q.reshape(2, -1), torch.zeros(2, 2 * 64)

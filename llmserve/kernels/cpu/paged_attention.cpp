@@ -140,7 +140,8 @@ Batch check_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
               "block_tables and seq_lens must be int32");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && block_tables.dim() == 2 && out.sizes() == q.sizes(),
               "expected q and out [seqs, heads, dim], cache [blocks, block_size, kv_heads, dim]");
-  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && q.stride(0) >= q.size(1) * q.size(2) &&
+  const int64_t q_row = q.size(1) * q.size(2);  // a row's stride is moot when there is one row
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && (q.size(0) <= 1 || q.stride(0) >= q_row) &&
                   (k_cache.is_contiguous() || keys_transposed(k_cache)) &&
                   v_cache.is_contiguous() && out.is_contiguous() && block_tables.is_contiguous() &&
                   seq_lens.is_contiguous(),
@@ -166,7 +167,7 @@ Batch check_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
               "block_tables and seq_lens disagree on the number of sequences");
   b.is_bf16 = dtype == at::kBFloat16;
   b.q = q.data_ptr();
-  b.q_stride = q.stride(0);
+  b.q_stride = q.size(0) <= 1 ? q_row : q.stride(0);
   b.k_cache = k_cache.data_ptr();
   b.v_cache = v_cache.data_ptr();
   b.tables = block_tables.data_ptr<int32_t>();
@@ -250,8 +251,8 @@ at::Tensor write_kv_and_split_heads(const char* op, const at::Tensor& q, const a
   TORCH_CHECK(q.dim() == 2 && q.size(1) % head_dim == 0, op, ": q must be [T, H * D]");
   write_rows(op, "k", k, k_cache, slot_mapping);
   write_rows(op, "v", v, v_cache, slot_mapping);
-  const at::Tensor rows = q.stride(1) == 1 ? q : q.contiguous();
-  return rows.view({tokens, q.size(1) / head_dim, head_dim});
+  const bool rows_apart = q.stride(1) == 1 && (tokens <= 1 || q.stride(0) >= q.size(1));
+  return (rows_apart ? q : q.contiguous()).view({tokens, q.size(1) / head_dim, head_dim});
 }
 
 // A step of decodes only, in one call: this step's k/v rows written at their pool slots, then
