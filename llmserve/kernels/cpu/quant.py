@@ -5,7 +5,7 @@
                      block and weight group (llama.cpp's scheme); or to two int8 digits per
                      value (int8x2: 15 bits per block, two dots per weight vector)
     quant_gemm.h     the AVX-512 VNNI and AVX2 tiles
-    quant_activations.h  x quantized per block (natural order, or the tiles' pair layout)
+    quant_activations.h  x quantized per block: natural order, or the tiles' pair layout (SIMD)
     quant_float.cpp  quant_linear_f32: float activations, weights decoded in registers
                      (AVX-512 / AVX2 / portable, chosen at run time); tiles of 64 rows decoded
                      to an L2-sized buffer and multiplied by ATen's GEMM for M >= 16. Exact up

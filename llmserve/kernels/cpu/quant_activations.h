@@ -1,7 +1,8 @@
 // The activations of quant_gemm.cpp's fused dequantize-matmul (included by it alone): each
 // row of x quantized to int8 per block of 32 columns (absmax scale, round-half-even; with
 // act_digits = 2 a second int8 digit), in the natural column order for the scalar path or in
-// quant_gemm.h's pair layout for the SIMD tiles, with the group sums the mins term needs.
+// quant_gemm.h's pair layout for the SIMD tiles (AVX-512 and AVX2 versions first, then the
+// portable code and the per-call drivers), with the group sums the mins term needs.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -12,6 +13,171 @@
 #include <vector>
 
 #include "quant_gemm.h"
+
+// ---------------------------------------------------------------------------------------------
+// Activation quantization straight into the pair layout. Bit for bit the xq / xs of the
+// portable quantize_row (below): exact absmax, one multiply by 127 / absmax, a clamp,
+// round half to even (the default MXCSR mode of cvtps2dq). gsum: float sums per weight group.
+
+namespace llmserve_quant {
+
+struct PairOut {
+  int8_t* xq;        // [64 * num_pairs] (the hi digit when xq2 is set)
+  int8_t* xq2;       // [64 * num_pairs] the lo digit (two-digit activations) or nullptr
+  float* xsv;        // [16 * num_pairs]
+  int32_t* corr;     // [16 * num_pairs] or nullptr
+  float* gsum;       // [num_groups] (zeroed) or nullptr
+  int64_t group_size;
+};
+
+LLMSERVE_AVX512_TARGET inline float block_scale512(__m512 a, __m512 b, float* inv) {
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  *inv = amax > 0.f ? 127.f / amax : 0.f;
+  return amax / 127.f;
+}
+
+// 16 values -> int8 digit(s): hi = round(t), and with lo set, *lo = round(128 * (t - hi))
+LLMSERVE_AVX512_TARGET inline __m128i quantize16(__m512 v, float inv, __m128i* lo) {
+  const __m512 t = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(v, _mm512_set1_ps(inv)),
+                                               _mm512_set1_ps(-127.f)), _mm512_set1_ps(127.f));
+  const __m512i hi = _mm512_cvtps_epi32(t);
+  if (lo != nullptr) {
+    const __m512 rest = _mm512_sub_ps(t, _mm512_cvtepi32_ps(hi));  // in [-0.5, 0.5], exact
+    *lo = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(rest, _mm512_set1_ps(128.f))));
+  }
+  return _mm512_cvtsepi32_epi8(hi);
+}
+
+// four 16-column pieces of a pair in register order: natural (8-bit weights), or b0 cols 0..15,
+// b1 cols 0..15, b0 cols 16..31, b1 cols 16..31 (4-bit weights)
+LLMSERVE_AVX512_TARGET inline __m512i pack_pair512(const __m128i* parts, bool nibbles) {
+  const __m512i q = _mm512_inserti32x4(_mm512_castsi128_si512(parts[0]), parts[1], 1);
+  const __m512i all = _mm512_inserti32x4(_mm512_inserti32x4(q, parts[2], 2), parts[3], 3);
+  return nibbles ? _mm512_shuffle_i64x2(all, all, _MM_SHUFFLE(3, 1, 2, 0)) : all;
+}
+
+// one activation row x [K] (K = 32 * num_blocks) into out
+LLMSERVE_AVX512_TARGET inline void quantize_pairs512(const float* x, int64_t num_blocks, bool nibbles,
+                                                     const PairOut& out) {
+  for (int64_t p = 0; 2 * p < num_blocks; ++p) {
+    const bool both = 2 * p + 1 < num_blocks;
+    const float* xp = x + 64 * p;
+    const __m512 v0 = _mm512_loadu_ps(xp), v1 = _mm512_loadu_ps(xp + 16);
+    const __m512 v2 = both ? _mm512_loadu_ps(xp + 32) : _mm512_setzero_ps();
+    const __m512 v3 = both ? _mm512_loadu_ps(xp + 48) : _mm512_setzero_ps();
+    float inv0, inv1;
+    float d0 = block_scale512(v0, v1, &inv0), d1 = block_scale512(v2, v3, &inv1);
+    const bool split = out.xq2 != nullptr;
+    __m128i lo[4];
+    const __m128i hi[4] = {quantize16(v0, inv0, split ? &lo[0] : nullptr),
+                           quantize16(v1, inv0, split ? &lo[1] : nullptr),
+                           quantize16(v2, inv1, split ? &lo[2] : nullptr),
+                           quantize16(v3, inv1, split ? &lo[3] : nullptr)};
+    const __m512i ones = _mm512_set1_epi8(1);
+    const __m512i q = pack_pair512(hi, nibbles);
+    _mm512_storeu_si512(out.xq + 64 * p, q);
+    __m512i corr = _mm512_mullo_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, q),
+                                      _mm512_set1_epi32(-128));
+    if (split) {
+      const __m512i q2 = pack_pair512(lo, nibbles);
+      _mm512_storeu_si512(out.xq2 + 64 * p, q2);
+      corr = _mm512_sub_epi32(corr, _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, q2));
+      d0 /= 128.f;  // the combined dot counts in units of 1/128
+      d1 /= 128.f;
+    }
+    const __mmask16 second = nibbles ? 0xF0F0 : 0xFF00;
+    _mm512_storeu_ps(out.xsv + 16 * p, _mm512_mask_blend_ps(second, _mm512_set1_ps(d0), _mm512_set1_ps(d1)));
+    if (out.corr) _mm512_storeu_si512(out.corr + 16 * p, corr);
+    if (out.gsum) {
+      const __m512 halves[4] = {v0, v1, v2, v3};
+      for (int h = 0; h < (both ? 4 : 2); ++h)
+        out.gsum[(64 * p + 16 * h) / out.group_size] += _mm512_reduce_add_ps(halves[h]);
+    }
+  }
+}
+
+// 4 x 8 int32 (each in [-127, 127]) -> 32 int8 in order
+LLMSERVE_AVX2_TARGET inline __m256i pack32_256(const __m256i* d) {
+  const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(d[0], d[1]), _mm256_packs_epi32(d[2], d[3]));
+  return _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+// 32 values -> int8 digit(s) in column order (lo: the second digit, or nullptr)
+LLMSERVE_AVX2_TARGET inline __m256i quantize32_256(const float* x, float* scale, __m256i* lo) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 v[4], m = _mm256_setzero_ps();
+  for (int j = 0; j < 4; ++j) {
+    v[j] = _mm256_loadu_ps(x + 8 * j);
+    m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[j]));
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  *scale = amax / 127.f;
+  __m256i q[4], r[4];
+  for (int j = 0; j < 4; ++j) {
+    const __m256 t = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(v[j], _mm256_set1_ps(inv)),
+                                                 _mm256_set1_ps(-127.f)), _mm256_set1_ps(127.f));
+    q[j] = _mm256_cvtps_epi32(t);
+    const __m256 rest = _mm256_sub_ps(t, _mm256_cvtepi32_ps(q[j]));  // in [-0.5, 0.5], exact
+    r[j] = _mm256_cvtps_epi32(_mm256_mul_ps(rest, _mm256_set1_ps(128.f)));
+  }
+  if (lo != nullptr) *lo = pack32_256(r);
+  return pack32_256(q);
+}
+
+LLMSERVE_AVX2_TARGET inline float sum32_256(const float* x) {
+  const __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(x), _mm256_loadu_ps(x + 8)),
+                                 _mm256_add_ps(_mm256_loadu_ps(x + 16), _mm256_loadu_ps(x + 24)));
+  return hsum256(s);
+}
+
+// blocks b0, b1 (32 int8 each, column order) stored in the pair layout at dst
+LLMSERVE_AVX2_TARGET inline void store_pair256(int8_t* dst, __m256i b0, __m256i b1, bool nibbles) {
+  if (nibbles) {
+    const __m256i h0 = _mm256_permute2x128_si256(b0, b1, 0x20), h1 = _mm256_permute2x128_si256(b0, b1, 0x31);
+    b0 = h0;
+    b1 = h1;
+  }
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), b0);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 32), b1);
+}
+
+// as quantize_pairs512, without corr (the AVX2 tiles use the sign trick)
+LLMSERVE_AVX2_TARGET inline void quantize_pairs256(const float* x, int64_t num_blocks, bool nibbles,
+                                                   const PairOut& out) {
+  for (int64_t p = 0; 2 * p < num_blocks; ++p) {
+    const bool both = 2 * p + 1 < num_blocks;
+    float d0, d1 = 0.f;
+    const bool split = out.xq2 != nullptr;
+    __m256i l0 = _mm256_setzero_si256(), l1 = _mm256_setzero_si256();
+    const __m256i b0 = quantize32_256(x + 64 * p, &d0, split ? &l0 : nullptr);
+    const __m256i b1 = both ? quantize32_256(x + 64 * p + 32, &d1, split ? &l1 : nullptr) : _mm256_setzero_si256();
+    store_pair256(out.xq + 64 * p, b0, b1, nibbles);
+    if (split) {
+      store_pair256(out.xq2 + 64 * p, l0, l1, nibbles);
+      d0 /= 128.f;  // the combined dot counts in units of 1/128
+      d1 /= 128.f;
+    }
+    const __m256 s0 = _mm256_set1_ps(d0), s1 = _mm256_set1_ps(d1);
+    const __m256 mixed = _mm256_blend_ps(s0, s1, 0xF0);
+    _mm256_storeu_ps(out.xsv + 16 * p, nibbles ? mixed : s0);
+    _mm256_storeu_ps(out.xsv + 16 * p + 8, nibbles ? mixed : s1);
+    if (!out.gsum) continue;
+    for (int64_t b = 2 * p; b < 2 * p + (both ? 2 : 1); ++b) {
+      const float* xb = x + 32 * b;
+      if (out.group_size == 16) {
+        out.gsum[2 * b] += hsum256(_mm256_add_ps(_mm256_loadu_ps(xb), _mm256_loadu_ps(xb + 8)));
+        out.gsum[2 * b + 1] += hsum256(_mm256_add_ps(_mm256_loadu_ps(xb + 16), _mm256_loadu_ps(xb + 24)));
+      } else {
+        out.gsum[32 * b / out.group_size] += sum32_256(xb);
+      }
+    }
+  }
+}
+
+}  // namespace llmserve_quant
 
 namespace llmserve_quant {
 namespace {
