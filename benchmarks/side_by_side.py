@@ -8,14 +8,17 @@ docs):
     python benchmarks/side_by_side.py --vllm-python /work/vllm_venv/bin/python \\
         --hf-dir /tmp/smollm2-hf --dtype float32 --rounds 2 --out /tmp/sbs-float32
 
-A round: vLLM's server with vLLM's client and llmserve's, all requests at once, back to back
-(llmserve's first in even rounds), then vLLM's client at 4 requests/s and on a quarter as many
-requests of 1024-token prompts at once (decode at longer contexts, no target); llmserve's server
-with the same four; llmserve offline (text2sql 64 x 64, saving its prompt ids; random 256/128 x
-64 on the prompts llmserve's client sent; batch 1, 256 tokens); vLLM offline on the same
-text2sql ids and batch 1 (benchmarks/vllm_cpu_peer.py offline). Every run sends prompts of its
-own (a seed per run and round, the same for both engines), so no run finds an earlier one's
-prompts in a prefix cache. Even rounds run the four parts in reverse order, so a VM that speeds
+A round: vLLM's server with vLLM's client at 4 requests/s and on a quarter as many requests of
+1024-token prompts at once (decode at longer contexts, no target), and with vLLM's client and
+llmserve's, all requests at once, back to back (llmserve's first in even rounds); llmserve's
+server with the same four; llmserve offline (random 256/128 x 64 on the prompts llmserve's
+client sent; text2sql 64 x 64, saving its prompt ids; batch 1, 256 tokens); vLLM offline on the
+same text2sql ids and batch 1 (benchmarks/vllm_cpu_peer.py offline). The at-once runs come last
+on a server in odd rounds and first in even ones, and the offline random batch first or last,
+so llmserve's server at once and the offline batch it is compared with run next to each other
+(minutes apart they read 0.92-1.01 of each other, back to back 0.97-0.99). Every run sends
+prompts of its own (a seed per run and round, the same for both engines), so no run finds an
+earlier one's prompts in a prefix cache. Even rounds run the four parts in reverse order, so a VM that speeds
 up or slows down over a run (10% within minutes on the hosts measured) favours neither engine.
 Every command's output is kept in --out/rN, with host.json (CPU flags, commit) and summary.md,
 the table printed at the end: each figure is the median over rounds, each ratio the median of
@@ -123,9 +126,10 @@ def seed(round_no: int, run_no: int) -> int:
 
 
 def clients(args: argparse.Namespace, url: str, tag: str, out: Path, round_no: int) -> dict:
-    """Both clients at once, back to back (llmserve's first in even rounds), then vLLM's at 4
-    requests/s and at once on long prompts: their JSON results. The two all-at-once runs sit
-    side by side so that the VM's drift over a server's runs (minutes) falls on neither client."""
+    """Both clients at once, back to back (llmserve's first in even rounds), and vLLM's at 4
+    requests/s and at once on long prompts (before the at-once pair in odd rounds, after it in
+    even ones): their JSON results. The two all-at-once runs sit side by side so that the VM's
+    drift over a server's runs (minutes) falls on neither client."""
     results = {}
 
     def vllm_client(run_no: int, label: str, rate: str, prompt_len: int, prompts: int) -> None:
@@ -149,11 +153,19 @@ def clients(args: argparse.Namespace, url: str, tag: str, out: Path, round_no: i
             out / f"{tag}-lclient-inf.txt")  # fmt: skip
         results["lclient-inf"] = json.loads((out / name).read_text())
 
-    at_once = [lambda: vllm_client(0, "inf", "inf", 256, args.num_prompts), llmserve_client]
-    for client in at_once if round_no % 2 else at_once[::-1]:
-        client()
-    vllm_client(1, "4", "4", 256, args.num_prompts)
-    vllm_client(2, "long", "inf", LONG_PROMPT, max(1, args.num_prompts // 4))
+    def at_once() -> None:
+        pair = [lambda: vllm_client(0, "inf", "inf", 256, args.num_prompts), llmserve_client]
+        for client in pair if round_no % 2 else pair[::-1]:
+            client()
+
+    def others() -> None:
+        vllm_client(1, "4", "4", 256, args.num_prompts)
+        vllm_client(2, "long", "inf", LONG_PROMPT, max(1, args.num_prompts // 4))
+
+    # the at-once runs sit next to llmserve's offline part (after the server in odd rounds,
+    # before it in even ones), whose random batch they are compared with (server / offline)
+    for part in (others, at_once) if round_no % 2 else (at_once, others):
+        part()
     return results
 
 
@@ -200,17 +212,28 @@ class Round:
         common = ["--dtype", a.dtype, "--kv-cache-memory", str(KV_BYTES), "--disable-tqdm"]
         n = str(a.num_prompts)
         save = [] if self.ids.exists() else ["--save-prompt-ids", str(self.ids)]
-        run(llmserve_cli("bench", "throughput", "--workload", "text2sql", "--num-prompts", n,
-                         *common, *save, "--output-json", str(out / "off-t2s.json")),
-            out / "off-t2s.txt")  # fmt: skip
-        run(llmserve_cli("bench", "throughput", "--workload", "random", "--input-len", "256",
-                         "--output-len", "128", "--num-prompts", n, *common,
-                         "--dataset-seed", str(seed(self.round_no, LCLIENT_RUN)),
-                         "--output-json", str(out / "off-random.json")),
-            out / "off-random.txt")  # fmt: skip
-        run(llmserve_cli("bench", "latency", "--workload", "text2sql", "--output-len", "256",
-                         "--dtype", a.dtype, "--output-json", str(out / "off-latency.json")),
-            out / "off-latency.txt")  # fmt: skip
+
+        def text2sql_and_latency() -> None:
+            run(llmserve_cli("bench", "throughput", "--workload", "text2sql", "--num-prompts", n,
+                             *common, *save, "--output-json", str(out / "off-t2s.json")),
+                out / "off-t2s.txt")  # fmt: skip
+            run(llmserve_cli("bench", "latency", "--workload", "text2sql", "--output-len", "256",
+                             "--dtype", a.dtype, "--output-json", str(out / "off-latency.json")),
+                out / "off-latency.txt")  # fmt: skip
+
+        def random_batch() -> None:
+            run(llmserve_cli("bench", "throughput", "--workload", "random", "--input-len", "256",
+                             "--output-len", "128", "--num-prompts", n, *common,
+                             "--dataset-seed", str(seed(self.round_no, LCLIENT_RUN)),
+                             "--output-json", str(out / "off-random.json")),
+                out / "off-random.txt")  # fmt: skip
+
+        # the random batch next to the server's at-once runs (see clients())
+        odd = self.round_no % 2
+        for part in (
+            (random_batch, text2sql_and_latency) if odd else (text2sql_and_latency, random_batch)
+        ):
+            part()
         for name in ("off-t2s", "off-random", "off-latency"):
             self.results[name] = json.loads((out / f"{name}.json").read_text())
 

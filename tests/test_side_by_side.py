@@ -163,6 +163,39 @@ def test_even_rounds_run_in_reverse_with_prompts_of_their_own(sbs, tmp_path):
         even.vllm_offline()  # only after a round that saved them
 
 
+def test_server_at_once_runs_next_to_the_offline_random_batch(sbs, tmp_path, monkeypatch):
+    """Odd rounds: a server's at-once pair last, then the offline random batch first; even
+    rounds the mirror image, so server / offline compares runs that are next to each other."""
+    ran: list[str] = []
+
+    def fake_run(cmd: list[str], log: Path) -> str:  # records the run, writes an empty result
+        ran.append(log.stem)
+        if "--output-json" in cmd:
+            Path(cmd[cmd.index("--output-json") + 1]).write_text("{}")
+        if "--result-filename" in cmd:
+            folder = Path(cmd[cmd.index("--result-dir") + 1])
+            (folder / cmd[cmd.index("--result-filename") + 1]).write_text("{}")
+        return ""
+
+    monkeypatch.setattr(sbs, "run", fake_run)
+    args = sbs.argparse.Namespace(
+        out=str(tmp_path), dtype="float32", num_prompts=8, vllm_python="python", hf_dir="hf"
+    )
+    for round_no in (1, 2):
+        one = sbs.Round(args, round_no, tmp_path / "ids.json")
+        ran.clear()
+        sbs.clients(args, "http://127.0.0.1:1", "llmserve", one.out, round_no)
+        server = list(ran)
+        ran.clear()
+        one.llmserve_offline()
+        offline = list(ran)
+        at_once = {"llmserve-vclient-inf", "llmserve-lclient-inf"}
+        if round_no == 1:  # the server, then the offline part
+            assert set(server[-2:]) == at_once and offline[0] == "off-random", (server, offline)
+        else:  # the offline part, then the server
+            assert set(server[:2]) == at_once and offline[-1] == "off-random", (server, offline)
+
+
 def test_rounds_must_be_positive(sbs, tmp_path, capsys):
     with pytest.raises(SystemExit):
         sbs.main(["--vllm-python", "x", "--hf-dir", "x", "--out", str(tmp_path), "--rounds", "0"])
