@@ -117,6 +117,8 @@ class GracefulServer(uvicorn.Server):
 
     async def startup(self, sockets: Any = None) -> None:
         await super().startup(sockets=sockets)
+        if self.should_exit:  # it could not listen (uvicorn logged why)
+            return
         loop = type(asyncio.get_running_loop())
         protocol = self.config.http_protocol_class
         logger.info(
