@@ -18,8 +18,9 @@ on a server in odd rounds and first in even ones, and the offline random batch f
 so llmserve's server at once and the offline batch it is compared with run next to each other
 (minutes apart they read 0.92-1.01 of each other, back to back 0.97-0.99). Every run sends
 prompts of its own (a seed per run and round, the same for both engines), so no run finds an
-earlier one's prompts in a prefix cache. Even rounds run the four parts in reverse order, so a VM that speeds
-up or slows down over a run (10% within minutes on the hosts measured) favours neither engine.
+earlier one's prompts in a prefix cache. Even rounds run the four parts in reverse order, so
+a VM that speeds up or slows down over a run (10% within minutes on the hosts measured)
+favours neither engine.
 Every command's output is kept in --out/rN, with host.json (CPU flags, commit) and summary.md,
 the table printed at the end: each figure is the median over rounds, each ratio the median of
 the rounds' own ratios, and a target is met when that ratio meets it:
@@ -120,6 +121,12 @@ def llmserve_cli(*argv: str) -> list[str]:
 LCLIENT_RUN = 3  # seed number of llmserve's client's run (vLLM's: 0-2) and of the offline random
 
 
+def in_round_order(round_no: int, items: list) -> list:
+    """``items`` as given in odd rounds, reversed in even ones (each round's order of parts,
+    clients and runs; see the module doc)."""
+    return items if round_no % 2 else items[::-1]
+
+
 def seed(round_no: int, run_no: int) -> int:
     """The prompt seed of a round's run: the same on both engines, new in every run."""
     return 10 * round_no + run_no
@@ -155,7 +162,7 @@ def clients(args: argparse.Namespace, url: str, tag: str, out: Path, round_no: i
 
     def at_once() -> None:
         pair = [lambda: vllm_client(0, "inf", "inf", 256, args.num_prompts), llmserve_client]
-        for client in pair if round_no % 2 else pair[::-1]:
+        for client in in_round_order(round_no, pair):
             client()
 
     def others() -> None:
@@ -164,7 +171,7 @@ def clients(args: argparse.Namespace, url: str, tag: str, out: Path, round_no: i
 
     # the at-once runs sit next to llmserve's offline part (after the server in odd rounds,
     # before it in even ones), whose random batch they are compared with (server / offline)
-    for part in (others, at_once) if round_no % 2 else (at_once, others):
+    for part in in_round_order(round_no, [others, at_once]):
         part()
     return results
 
@@ -183,7 +190,7 @@ class Round:
 
     def parts(self) -> list:
         order = [self.vllm_server, self.llmserve_server, self.llmserve_offline, self.vllm_offline]
-        return order if self.round_no % 2 else order[::-1]
+        return in_round_order(self.round_no, order)
 
     def vllm_server(self) -> None:
         a = self.args
@@ -229,10 +236,7 @@ class Round:
                 out / "off-random.txt")  # fmt: skip
 
         # the random batch next to the server's at-once runs (see clients())
-        odd = self.round_no % 2
-        for part in (
-            (random_batch, text2sql_and_latency) if odd else (text2sql_and_latency, random_batch)
-        ):
+        for part in in_round_order(self.round_no, [random_batch, text2sql_and_latency]):
             part()
         for name in ("off-t2s", "off-random", "off-latency"):
             self.results[name] = json.loads((out / f"{name}.json").read_text())
