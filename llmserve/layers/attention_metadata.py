@@ -39,6 +39,10 @@ class AttentionMetadata:
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
     plan: Any = None  # backend-specific indices built once per step (torch backend)
+    # Rows whose hidden states the step reads after the last layer (its logits rows), or None
+    # for every row. Past its attention (K/V written for every row), the last layer computes
+    # only these: the output projection and MLP of a prompt's other tokens are never read.
+    output_rows: torch.Tensor | None = None  # [num_outputs] int64
 
     @property
     def num_seqs(self) -> int:

@@ -97,8 +97,14 @@ class SelfAttention(nn.Module):
         )
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """``[T, hidden]`` -> ``[T, hidden]``, or only the rows ``keep`` past attention."""
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None:
             q = self.q_norm(q.reshape(-1, self.num_heads, self.head_dim)).flatten(1)  # [T, H * D]
@@ -106,4 +112,4 @@ class SelfAttention(nn.Module):
         if self.rotary is not None:
             q, k = self.rotary(positions, q, k)
         out = self.attn(q.contiguous(), k.contiguous(), v.contiguous(), kv_cache, meta)
-        return self.o_proj(out)
+        return self.o_proj(out if keep is None else out[keep])

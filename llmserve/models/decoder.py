@@ -172,22 +172,29 @@ class DecoderLayer(nn.Module):
         if spec.layout == "sandwich":
             self.attn_out_norm, self.mlp_out_norm = norm(), norm()
 
-    def forward(self, positions, x, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        """x ``[T, hidden]`` -> ``[T, hidden]``."""
+    def forward(self, positions, x, kv_cache: KVCache, meta: AttentionMetadata, keep=None):
+        """x ``[T, hidden]`` -> ``[T, hidden]``; ``keep``: only those rows past attention (the
+        last layer's output rows)."""
+
+        def kept(t: torch.Tensor) -> torch.Tensor:
+            return t if keep is None else t[keep]
+
         if self.layout == "pre":
-            x = x + self.self_attn(positions, self.attn_norm(x), kv_cache, meta)
+            x = kept(x) + self.self_attn(positions, self.attn_norm(x), kv_cache, meta, keep)
             return x + self.mlp(self.mlp_norm(x))
         if self.layout == "post":
-            x = self.attn_norm(x + self.self_attn(positions, x, kv_cache, meta))
+            x = self.attn_norm(kept(x) + self.self_attn(positions, x, kv_cache, meta, keep))
             return self.mlp_norm(x + self.mlp(x))
         if self.layout == "parallel":
             normed = self.attn_norm(x)
-            return x + self.self_attn(positions, normed, kv_cache, meta) + self.mlp(normed)
+            attn = self.self_attn(positions, normed, kv_cache, meta, keep)
+            return kept(x) + attn + self.mlp(kept(normed))
         if self.layout == "parallel2":
-            attn = self.self_attn(positions, self.attn_norm(x), kv_cache, meta)
+            attn = self.self_attn(positions, self.attn_norm(x), kv_cache, meta, keep)
+            x = kept(x)
             return x + attn + self.mlp(self.mlp_norm(x))
-        attn = self.self_attn(positions, self.attn_norm(x), kv_cache, meta)
-        x = x + self.attn_out_norm(attn)
+        attn = self.self_attn(positions, self.attn_norm(x), kv_cache, meta, keep)
+        x = kept(x) + self.attn_out_norm(attn)
         return x + self.mlp_out_norm(self.mlp(self.mlp_norm(x)))
 
 
@@ -259,7 +266,8 @@ class DecoderLM(nn.Module):
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """``input_ids, positions: [T]`` -> hidden states ``[T, hidden]`` (or ``project_dim``)."""
+        """``input_ids, positions: [T]`` -> hidden states ``[T, hidden]`` (or ``project_dim``;
+        ``[num_outputs, ...]`` where ``meta.output_rows`` names the rows wanted)."""
         spec = self.spec
         x = self.embed_tokens(input_ids)  # [T, embed_dim]
         if spec.embed_scale is not None:
@@ -272,8 +280,9 @@ class DecoderLM(nn.Module):
             x = x + self.sinusoidal[positions].to(x.dtype)
         if spec.embed_norm:
             x = self.embed_norm(x)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(positions, x, kv_cache, meta)
+        last = len(self.layers) - 1
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            x = layer(positions, x, kv_cache, meta, meta.output_rows if i == last else None)
         if self.norm is not None:
             x = self.norm(x)
         if spec.project_dim:

@@ -51,8 +51,14 @@ class LlamaAttention(nn.Module):
         )
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """``[T, hidden]`` -> ``[T, hidden]``, or only the rows ``keep`` past attention."""
         qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
         v = qkv[:, self.q_size + self.kv_size :]
         if self.rotary_emb.interleaved:
@@ -66,7 +72,8 @@ class LlamaAttention(nn.Module):
                 qkv[:, self.q_size : self.q_size + self.kv_size].contiguous(),
             )
             q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, kv_cache, meta))
+        out = self.attn(q, k, v, kv_cache, meta)
+        return self.o_proj(out if keep is None else out[keep])
 
 
 class LlamaMLP(nn.Module):
@@ -90,13 +97,18 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend)
 
-    def forward(self, positions, x, residual, kv_cache: KVCache, meta: AttentionMetadata):
+    def forward(
+        self, positions, x, residual, kv_cache: KVCache, meta: AttentionMetadata, keep=None
+    ):
+        """``keep``: the rows to finish past attention (the last layer's output rows)."""
         if residual is None:
             residual = x
             x = self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, kv_cache, meta)
+        x = self.self_attn(positions, x, kv_cache, meta, keep)
+        if keep is not None:
+            residual = residual[keep]
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -134,11 +146,14 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """``input_ids, positions: [T]`` -> hidden states ``[T, hidden]``."""
+        """``input_ids, positions: [T]`` -> hidden states ``[T, hidden]`` (``[num_outputs,
+        hidden]`` where ``meta.output_rows`` names the rows wanted)."""
         x = self.embed_tokens(input_ids)  # [T, hidden]
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer(positions, x, residual, kv_cache, meta)
+        last = len(self.layers) - 1
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            keep = meta.output_rows if i == last else None
+            x, residual = layer(positions, x, residual, kv_cache, meta, keep)
         x, _ = self.norm(x, residual)
         return x
 

@@ -87,9 +87,11 @@ class CUDAGraphRunner:
         self.outputs: dict[int, torch.Tensor] = {}  # bucket -> [bucket, hidden] static output
 
     def can_use(self, meta: AttentionMetadata) -> bool:
-        """A decode-only step whose batch has a captured bucket and fits the static table."""
+        """A decode-only step whose batch has a captured bucket and fits the static table
+        (and wants every row's output: the graphs were captured without ``output_rows``)."""
         return (
             bool(self.graphs)
+            and meta.output_rows is None
             and meta.num_decodes == meta.num_seqs
             and meta.num_seqs <= self.sizes[-1]
             and meta.block_tables.shape[1] <= self.max_blocks

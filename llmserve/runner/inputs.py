@@ -41,10 +41,21 @@ class StepInputs:
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # [num_logits] rows of the hidden states to turn into logits
 
+    def logits_rows(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The model's output ``hidden`` at the logits rows (all it holds when pruned)."""
+        return hidden if self.meta.output_rows is not None else hidden[self.logits_indices]
+
 
 def build_step_inputs(
-    chunks: list[Chunk], block_size: int, device: torch.device, attention_backend: str
+    chunks: list[Chunk],
+    block_size: int,
+    device: torch.device,
+    attention_backend: str,
+    prune_outputs: bool = True,
 ) -> StepInputs:
+    """``prune_outputs``: where fewer rows want logits than the step computes, the model's
+    last layer finishes only those rows (``meta.output_rows``); off when every row's hidden
+    state is read (prompt logprobs)."""
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -76,11 +87,14 @@ def build_step_inputs(
     )
     if attention_backend in ("torch", "cpp"):
         meta.plan = build_plan(meta, bs, native_decode=attention_backend == "cpp")
+    rows = _tensor(logits_indices, torch.int64, device)
+    if prune_outputs and len(logits_indices) < len(input_ids):
+        meta.output_rows = rows
     return StepInputs(
         input_ids=_tensor(input_ids, torch.int64, device),
         positions=_tensor(positions, torch.int64, device),
         meta=meta,
-        logits_indices=_tensor(logits_indices, torch.int64, device),
+        logits_indices=rows,
     )
 
 

@@ -86,7 +86,7 @@ class ModelRunner:
                 inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta
             )  # [T, hidden]
         out = RunnerOutput()
-        self._sample(sched.scheduled, hidden, inputs.logits_indices, drafts, out)
+        self._sample(sched.scheduled, inputs.logits_rows(hidden), drafts, out)
         self._prompt_logprobs(sched.scheduled, hidden, inputs.meta, out)
         return out
 
@@ -115,21 +115,24 @@ class ModelRunner:
             num_logits = 1 + item.num_spec_tokens if item.num_samples else 0
             verify = item.num_spec_tokens > 0  # as decode rows: the scheduler put it among them
             chunks.append(Chunk(tokens, start, seq.block_ids, num_logits, as_decodes=verify))
-        return build_step_inputs(chunks, self.block_size, self.device, self.attention_backend)
+        every_row = any(_wants_prompt_logprobs(item) for item in scheduled)
+        return build_step_inputs(
+            chunks, self.block_size, self.device, self.attention_backend, not every_row
+        )
 
     # ---- sampling -----------------------------------------------------------------------
     def _sample(
         self,
         scheduled: list[ScheduledSeq],
         hidden: torch.Tensor,
-        logits_indices: torch.Tensor,
         drafts: dict[int, Proposal],
         out: RunnerOutput,
     ) -> None:
+        """``hidden``: the logits rows' hidden states ``[num_logits, hidden]``."""
         sampling = [s for s in scheduled if s.num_samples]
         if not sampling:
             return
-        logits = self.model.compute_logits(hidden[logits_indices])  # [num_logits, vocab]
+        logits = self.model.compute_logits(hidden)  # [num_logits, vocab]
         if drafts:  # speculating sequences have K + 1 rows each; verify them apart
             logits, sampling = self._verify(sampling, logits, drafts, out)
             if not sampling:
@@ -241,8 +244,7 @@ class ModelRunner:
     ) -> None:
         for i, item in enumerate(scheduled):
             seq, request = item.seq, item.seq.request
-            num = request.params.prompt_logprobs
-            if num is None or seq.index != 0 or seq.num_output_tokens:
+            if not _wants_prompt_logprobs(item):
                 continue
             start = seq.num_computed_tokens
             end = min(start + item.num_tokens, seq.num_prompt_tokens - 1)  # last predicts output
@@ -251,4 +253,16 @@ class ModelRunner:
             base = sum(meta.query_lens_cpu[:i])
             logits = self.model.compute_logits(hidden[base : base + end - start]).float()
             targets = seq.token_ids[start + 1 : end + 1]
+            num = request.params.prompt_logprobs
             out.prompt_logprobs[request.request_id] = compute_prompt_logprobs(logits, targets, num)
+
+
+def _wants_prompt_logprobs(item: ScheduledSeq) -> bool:
+    """Whether this step computes prompt logprobs for ``item`` (its first sequence, before it
+    has output): the step's every hidden row is then read, not only the logits rows."""
+    seq = item.seq
+    return (
+        seq.request.params.prompt_logprobs is not None
+        and seq.index == 0
+        and not seq.num_output_tokens
+    )

@@ -89,7 +89,7 @@ class DraftModelProposer:
     def _step(self, items, chunks, drafts, q_rows, make_row) -> None:
         inputs = build_step_inputs(chunks, self.block_size, self.device, self.attention_backend)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [num_items, vocab]
+        logits = self.model.compute_logits(inputs.logits_rows(hidden))  # [num_items, vocab]
         rows = [make_row(item, drafts[item.seq.seq_id]) for item in items]
         tokens, probs = draw(logits, rows)
         for i, item in enumerate(items):
