@@ -16,6 +16,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
@@ -115,7 +116,7 @@ class GracefulServer(uvicorn.Server):
         super().__init__(config)
         self._on_exit = on_exit
 
-    async def startup(self, sockets: Any = None) -> None:
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets=sockets)
         if self.should_exit:  # it could not listen (uvicorn logged why)
             return
