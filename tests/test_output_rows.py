@@ -96,3 +96,26 @@ def test_model_output_is_the_output_rows(tmp_path, tokenizer):
     assert rows.tolist() == [4, 17, 38]  # each prompt's last token
     assert pruned.shape == (len(PROMPTS), full.shape[1])
     torch.testing.assert_close(pruned, full, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "llm_int8"])  # nf4 needs 64 | in_features
+def test_quantized_linears_take_a_step_with_no_output_rows(quantization, tmp_path, tokenizer):
+    """A prompt chunk that samples nothing hands the last layer's quantized linears no rows."""
+    _save("mistral-window", tmp_path, tokenizer)
+    llm = LLM(
+        str(tmp_path),
+        quantization=quantization,
+        kv_cache_memory=2 << 20,
+        max_model_len=64,
+        block_size=4,
+        max_num_batched_tokens=8,
+        enable_prefix_caching=False,
+    )
+    first, last = _mlp_rows(llm)
+    prompt = [{"prompt_token_ids": PROMPTS[-1]}]  # 21 tokens: chunks of 8, 8 and 5
+    greedy = SamplingParams(temperature=0, max_tokens=3)
+    pruned = llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
+    assert list(zip(first, last))[:3] == [(8, 0), (8, 0), (5, 1)]
+    every_row = SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=1)
+    assert llm.generate(prompt, every_row, use_tqdm=False)[0].outputs[0].token_ids == pruned
+    assert_no_leaks(llm)
