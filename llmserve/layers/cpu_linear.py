@@ -42,11 +42,15 @@ Applied to a plain model after its weights are loaded, like a quantization pass.
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 from torch import nn
 
 from llmserve.kernels import cpu as cpu_kernels
+from llmserve.memory import HUGE_PAGE, huge_page_bytes, release_freed_memory
+
+logger = logging.getLogger(__name__)
 
 MAX_OWN_GEMM_FEATURES = 16384  # wider layers (the LM head) keep oneDNN, but on AVX2
 GEMV_ROWS = 2  # gemm_impl.h's kGemvRows: rows that llmserve's GEMM reads the weight once for
@@ -124,6 +128,8 @@ class PackedLinear(nn.Module):
     """``y = x @ W^T + b`` with ``W`` prepacked for llmserve's fp32 GEMM or oneDNN
     (inference only)."""
 
+    OWN_WEIGHTS = ("packed_weight", "f32_weight", "bf16_weight")  # oneDNN's are opaque: stay
+
     def __init__(self, linear: nn.Linear, batch_size_hint: int):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
@@ -171,8 +177,52 @@ class PackedLinear(nn.Module):
 
 
 def pack_linear_layers(model: nn.Module, batch_size_hint: int = 64) -> int:
-    """Replace every ``nn.Linear`` in ``model`` by a ``PackedLinear``; returns how many."""
+    """Replace every ``nn.Linear`` in ``model`` by a ``PackedLinear`` (its copies for
+    llmserve's GEMMs in huge pages: ``move_to_huge_pages``); returns how many."""
     targets = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     for name, linear in targets:
         model.set_submodule(name, PackedLinear(linear, batch_size_hint))
+    moved = move_to_huge_pages(model)
+    if moved:
+        logger.info("packed weights for llmserve's GEMMs: %.1f MiB in huge pages", moved / 2**20)
     return len(targets)
+
+
+def move_to_huge_pages(model: nn.Module) -> int:
+    """Move the weight copies llmserve's GEMMs stream (every ``PackedLinear``'s tensors in a
+    plain layout; oneDNN's blocked ones are opaque and stay) into one region of transparent
+    huge pages (``memory.huge_page_bytes``, faulted in as each copy is written); returns the
+    bytes moved (0 where there is no such advice). A decode step streams every weight, and
+    with 4 KiB pages each page is a TLB miss. Measured on an AMD Zen 4 VM (the default model,
+    one process, the copies moved in and out six times, medians): a batch-1 step fp32 17.96 ->
+    14.59 ms, bf16 12.29 -> 10.93; batch 64 (320 tokens of context) fp32 131.0 -> 128.5, bf16
+    63.7 -> 62.3."""
+    slots = [
+        (module, name)
+        for module in model.modules()
+        if isinstance(module, PackedLinear)
+        for name in PackedLinear.OWN_WEIGHTS
+        if _movable(getattr(module, name))
+    ]
+    total = sum(_page_rounded(getattr(m, name).nbytes) for m, name in slots)
+    arena = huge_page_bytes(total, populate=False) if total >= HUGE_PAGE else None
+    if arena is None:
+        return 0
+    offset = 0
+    for module, name in slots:
+        weight = getattr(module, name)
+        moved = arena[offset : offset + weight.nbytes].view(weight.dtype).view(weight.shape)
+        moved.copy_(weight)
+        del weight
+        setattr(module, name, moved)  # the old copy is freed here, one at a time,
+        release_freed_memory()  # and handed back: the resident peak grows by one copy only
+        offset += _page_rounded(moved.nbytes)
+    return total
+
+
+def _movable(weight: torch.Tensor | None) -> bool:
+    return weight is not None and weight.layout == torch.strided and weight.is_contiguous()
+
+
+def _page_rounded(nbytes: int) -> int:
+    return -(-nbytes // 4096) * 4096

@@ -7,19 +7,17 @@ from __future__ import annotations
 
 import logging
 import math
-import mmap
 from dataclasses import dataclass
 
 import torch
 
 from llmserve.config import CacheConfig
+from llmserve.memory import HUGE_PAGE, huge_page_bytes
 
 logger = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_BYTES = 1 << 30
 GIB = float(1 << 30)
-HUGE_PAGE = 2 << 20
-MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14; not in every Python
 
 
 @dataclass(frozen=True)
@@ -69,36 +67,18 @@ def describe(spec: KVCacheSpec, num_blocks: int, max_model_len: int) -> str:
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed pool, its memory faulted in now. On a Linux CPU, in anonymous memory aligned to
-    2 MiB and marked ``MADV_HUGEPAGE``, so the kernel backs it with transparent huge pages (where
-    THP is ``madvise`` or ``always``): a decode step reads blocks scattered over the pool, and
-    with 4 KiB pages a 12 KiB block spans 3-4 pages, each a TLB miss. The gain measured so far
-    is small (``python -m llmserve.benchmarks.decode_attention``, which times both: 0-3% on the
-    AVX2 Zen 3 host). The tensor holds the mapping and frees it with the last view."""
+    """A zeroed pool, its memory faulted in now. On a Linux CPU, in transparent huge pages
+    (``memory.huge_page_bytes``): a decode step reads blocks scattered over the pool, and with
+    4 KiB pages a 12 KiB block spans 3-4 pages, each a TLB miss. The gain measured so far is
+    small (``python -m llmserve.benchmarks.decode_attention``, which times both: 0-3% on the
+    AVX2 Zen 3 host)."""
     nbytes = math.prod(shape) * dtype.itemsize
-    if device.type != "cpu" or not hasattr(mmap, "MADV_HUGEPAGE") or nbytes < HUGE_PAGE:
+    raw = None
+    if device.type == "cpu" and nbytes >= HUGE_PAGE:
+        raw = huge_page_bytes(nbytes, populate=True)
+    if raw is None:
         return torch.zeros(shape, dtype=dtype, device=device)
-    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    region.madvise(mmap.MADV_HUGEPAGE)
-    raw = torch.frombuffer(region, dtype=torch.uint8)
-    prefault(region, raw)
-    start = -raw.data_ptr() % HUGE_PAGE
-    return raw[start : start + nbytes].view(dtype).view(shape)
-
-
-def prefault(region: mmap.mmap, raw: torch.Tensor) -> None:
-    """Fault every page of a fresh pool in now, at start-up, instead of on the first write of
-    each block while requests are served (the kernel allocates and zeroes a page on its first
-    write; in a VM the host may back it only then, too). Measured on an AMD Zen 4 VM, bf16
-    text2sql 64 x 64 offline, in one process alternating: 1.06-1.07x with the pool faulted in
-    at start-up (faults of 2.4 s per GiB there on memory the VM had not touched yet, 0.09 s on
-    memory it had). llama.cpp clears its KV buffer at start-up, which does the same.
-    ``MADV_POPULATE_WRITE`` (Linux 5.14) faults the pages in without writing them; older
-    kernels refuse it, and a write to one byte of each page does it instead."""
-    try:
-        region.madvise(MADV_POPULATE_WRITE)
-    except OSError:
-        raw[:: mmap.PAGESIZE].zero_()
+    return raw.view(dtype).view(shape)
 
 
 def allocate(

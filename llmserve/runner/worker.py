@@ -13,6 +13,7 @@ from llmserve.config import EngineConfig
 from llmserve.layers.attention import has_eager_attention
 from llmserve.layers.cpu_linear import can_pack, has_native_bf16, pack_linear_layers
 from llmserve.loader import ResolvedModel, iter_weights
+from llmserve.memory import release_freed_memory
 from llmserve.models.registry import get_model_class
 from llmserve.quantization import loading as quantization
 from llmserve.quantization.linear import default_kernel as default_quant_kernel
@@ -117,6 +118,7 @@ def load_model(
         quantization.quantize_model(model, method, options, kernel)
     if can_pack(device, dtype):
         pack_linear_layers(model, batch_size_hint=config.scheduler.max_num_seqs)
+    release_freed_memory()  # the checkpoint's tensors and the copies made from them
     return model
 
 

@@ -1,5 +1,5 @@
 """Helpers for the kernel tests: a paged batch with its pool, ALiBi slopes, tolerances, a
-thread count for a block."""
+thread count for a block, the memory mapping that holds an address."""
 
 from __future__ import annotations
 
@@ -107,3 +107,22 @@ def num_threads(threads: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(previous)
+
+
+def mapping_field(address: int, name: str) -> list[str]:
+    """One field (``VmFlags:``, ``Rss:``, ...) of the mapping holding ``address``
+    (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == name:
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def mapping_flags(address: int) -> list[str]:
+    return mapping_field(address, "VmFlags:")

@@ -11,10 +11,11 @@ slice, and ``whole_panels``: panel by panel over all of K).
 from __future__ import annotations
 
 import shutil
+import sys
 
 import pytest
 import torch
-from kernel_testing import num_threads
+from kernel_testing import mapping_field, mapping_flags, num_threads
 from torch import nn
 from torch.nn import functional as F
 
@@ -158,6 +159,43 @@ def test_packed_linear_uses_own_gemm_for_fp32_and_the_lm_head_kernel_of_the_isa(
                 expected = [first.f32_weight] if rows <= FP32_DECODE_ROWS else []
                 expected += [head.f32_weight] if rows <= 2 else []
                 assert [id(w) for w in weights_used] == [id(w) for w in expected]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise is Linux's")
+@pytest.mark.parametrize("zen4", [False, True])
+def test_copies_for_our_gemm_sit_in_huge_pages(zen4, monkeypatch):
+    """After packing, every weight copy llmserve's GEMM reads (a plain tensor: Zen 4's decode
+    copies, elsewhere the layers' only copies) lies in one mapping marked MADV_HUGEPAGE,
+    one after the other on pages of their own, resident, and the layers compute what they
+    computed before the move."""
+    monkeypatch.setattr(cpu_linear, "is_amd_zen4", lambda: zen4)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 1024), nn.Linear(1024, 512, bias=False))  # 4 MiB
+    x = torch.randn(8, 512)
+    want = model(x)
+    pack_linear_layers(model)
+    copies = [
+        getattr(layer, name)
+        for layer in model
+        for name in PackedLinear.OWN_WEIGHTS
+        if getattr(layer, name) is not None and not getattr(layer, name).is_mkldnn
+    ]
+    assert len(copies) == 2  # one per layer: Zen 4's decode copy, or the only one elsewhere
+    for copy in copies:
+        assert copy.data_ptr() % 4096 == 0 and "hg" in mapping_flags(copy.data_ptr())
+    first_pages = -(-copies[0].nbytes // 4096) * 4096
+    assert copies[1].data_ptr() == copies[0].data_ptr() + first_pages  # one region, in order
+    rss_kib = int(mapping_field(copies[0].data_ptr(), "Rss:")[0])
+    assert rss_kib * 1024 >= sum(c.nbytes for c in copies)  # written, so resident
+    for rows in (1, 8):
+        torch.testing.assert_close(model(x[:rows]), want[:rows], rtol=1e-4, atol=1e-4)
+
+
+def test_nothing_to_move_moves_nothing():
+    """Layers with no copy of ours (all oneDNN) or less than a huge page of them: no region."""
+    model = nn.Sequential(nn.Linear(16, 16))
+    pack_linear_layers(model)
+    assert cpu_linear.move_to_huge_pages(model) == 0
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from kernel_testing import make_paged_batch, tolerance
+from kernel_testing import make_paged_batch, mapping_field, mapping_flags, tolerance
 from torch.nn import functional as F
 
 from llmserve.kernels import cpu as cpu_kernels
@@ -112,41 +112,23 @@ def test_rotary_interleaved_matches_torch_path():
         cpu_kernels.rotary_interleaved(qk, torch.full((20,), 600), torch_rope.cis, head_dim)
 
 
-def _mapping_field(address: int, name: str) -> list[str]:
-    """One field (``VmFlags:``, ``Rss:``, ...) of the mapping holding ``address``
-    (/proc/self/smaps)."""
-    inside = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= address < hi
-            elif inside and head == name:
-                return line.split()[1:]
-    raise AssertionError(f"no mapping holds {address:#x}")
-
-
-def _mapping_flags(address: int) -> list[str]:
-    return _mapping_field(address, "VmFlags:")
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps is Linux's")
 @pytest.mark.parametrize("populate", ["madvise", "touch"])
 def test_pools_are_faulted_in_at_allocation(monkeypatch, populate):
     """Every page of a pool is resident as soon as it is allocated (its Rss covers it), by
     MADV_POPULATE_WRITE or, where the kernel refuses that, a write to each page; still zeros."""
+    from llmserve import memory
     from llmserve.runner import kv_cache
 
     if populate == "touch":  # an advice the kernel refuses, as kernels before 5.14 do
-        monkeypatch.setattr(kv_cache, "MADV_POPULATE_WRITE", -1)
+        monkeypatch.setattr(memory, "MADV_POPULATE_WRITE", -1)
     spec = kv_cache.KVCacheSpec(
         num_layers=1, num_kv_heads=2, head_dim=64, dtype=torch.float32, block_size=16
     )
     blocks = 4 * kv_cache.HUGE_PAGE // (16 * 2 * 64 * 4)  # 8 MiB per pool
     ((k, v),) = kv_cache.allocate(spec, blocks, torch.device("cpu"), "cpp")
     for pool in (k, v):
-        rss_kib = int(_mapping_field(pool.data_ptr(), "Rss:")[0])
+        rss_kib = int(mapping_field(pool.data_ptr(), "Rss:")[0])
         assert rss_kib * 1024 >= pool.numel() * pool.element_size()
         assert not pool.any()
 
@@ -170,7 +152,7 @@ def test_pools_past_a_huge_page_ask_for_huge_pages():
         pools = allocate(spec, blocks, cpu, backend)
         for pool in (t for pair in pools for t in pair):
             assert pool.shape == (blocks, 16, 2, 64) and pool.dtype == torch.float32
-            assert pool.data_ptr() % HUGE_PAGE == 0 and "hg" in _mapping_flags(pool.data_ptr())
+            assert pool.data_ptr() % HUGE_PAGE == 0 and "hg" in mapping_flags(pool.data_ptr())
             assert not pool.any()
         ((k, v), _) = pools
         plain = [t.clone() for t in (k, v)]
@@ -192,7 +174,7 @@ def test_pools_past_a_huge_page_ask_for_huge_pages():
         torch.testing.assert_close(outs[0], outs[1])
         assert torch.equal(k, plain[0]) and torch.equal(k[0, 2], k_step.view(2, 64))
     ((small, _),) = allocate(KVCacheSpec(1, 2, 8, torch.float32, 4), 6, cpu)
-    assert "hg" not in _mapping_flags(small.data_ptr())
+    assert "hg" not in mapping_flags(small.data_ptr())
 
 
 def test_transposed_key_pool_reads_and_writes_like_the_plain_one():

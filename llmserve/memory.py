@@ -1,0 +1,71 @@
+"""Host memory for long-lived tensors that kernels stream: transparent huge pages.
+
+With 4 KiB pages, a kernel that streams hundreds of MiB (a decode step's weights, a KV pool's
+scattered blocks) takes a TLB miss every 4 KiB. A region of anonymous memory aligned to 2 MiB
+and marked ``MADV_HUGEPAGE`` is backed by 2 MiB pages where the kernel's THP setting is
+``madvise`` or ``always`` (and by ordinary pages where it is ``never``: nothing is lost). The
+KV pool (``runner/kv_cache.py``) and the packed weights of llmserve's own GEMMs
+(``layers/cpu_linear.py``) live in such regions; the measurements are next to those uses.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import mmap
+
+import torch
+
+HUGE_PAGE = 2 << 20
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14; not in every Python
+
+
+def huge_page_bytes(nbytes: int, populate: bool) -> torch.Tensor | None:
+    """``nbytes`` of zeroed uint8 starting on a 2 MiB boundary, in a ``MADV_HUGEPAGE`` region
+    (None where the platform has no such advice: not Linux, or an old Python). ``populate``:
+    fault every page in now (``prefault``); otherwise each page is faulted on its first write.
+    The tensor, and every view of it, holds the mapping; the last one frees it."""
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        return None
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region.madvise(mmap.MADV_HUGEPAGE)
+    raw = torch.frombuffer(region, dtype=torch.uint8)
+    if populate:
+        prefault(region, raw)
+    start = -raw.data_ptr() % HUGE_PAGE
+    return raw[start : start + nbytes]
+
+
+def prefault(region: mmap.mmap, raw: torch.Tensor) -> None:
+    """Fault every page of a fresh region in now, at start-up, instead of on the first write of
+    each part while requests are served (the kernel allocates and zeroes a page on its first
+    write; in a VM the host may back it only then, too). Measured on an AMD Zen 4 VM, bf16
+    text2sql 64 x 64 offline, in one process alternating: 1.06-1.07x with the KV pool faulted
+    in at start-up (faults of 2.4 s per GiB there on memory the VM had not touched yet, 0.09 s
+    on memory it had). llama.cpp clears its KV buffer at start-up, which does the same.
+    ``MADV_POPULATE_WRITE`` (Linux 5.14) faults the pages in without writing them; older
+    kernels refuse it, and a write to one byte of each page does it instead."""
+    try:
+        region.madvise(MADV_POPULATE_WRITE)
+    except OSError:
+        raw[:: mmap.PAGESIZE].zero_()
+
+
+def release_freed_memory() -> None:
+    """Hand the heap's freed memory back to the system (glibc's ``malloc_trim``; nothing
+    elsewhere). glibc keeps freed chunks below its mmap threshold, which rises to 32 MiB as
+    large blocks are freed, so after a model load the original weights and temporary copies
+    stay resident: measured on the default model in fp32 (AMD Zen 4, 256 MiB of KV cache),
+    2.33 GiB resident after ``LLM()`` without the trim, 2.03 GiB with it."""
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+@functools.cache
+def _glibc():
+    try:
+        libc = ctypes.CDLL(None)
+        return libc if hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
