@@ -8,6 +8,8 @@ the first layer's every token, and the outputs equal those of a run that finishe
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -65,7 +67,7 @@ def test_last_layer_finishes_only_the_output_rows(name, tmp_path, tokenizer):
 
     first.clear()
     last.clear()
-    every_row = SamplingParams(**{**params.__dict__, "prompt_logprobs": 1})
+    every_row = dataclasses.replace(params, prompt_logprobs=1)
     full = llm.generate(prompts, every_row, use_tqdm=False)
     assert first == last  # nothing pruned where prompt logprobs read every row
     for a, b in zip(pruned, full, strict=True):
