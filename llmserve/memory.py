@@ -36,6 +36,40 @@ def huge_page_bytes(nbytes: int, populate: bool) -> torch.Tensor | None:
     return raw[start : start + nbytes]
 
 
+class HugePageArena:
+    """Copies of long-lived tensors, one after the other on pages of their own in one huge-page
+    region, each handed out as ``copy`` writes it (pages fault in as they are first written).
+    The caller drops its old tensor and calls ``release_freed_memory`` after each copy, so the
+    resident peak grows by one tensor, not by all of them."""
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        total = sum(page_rounded(t.nbytes) for t in tensors)
+        self.raw = huge_page_bytes(total, populate=False) if total >= HUGE_PAGE else None
+        self.nbytes = total if self.raw is not None else 0
+        self.offset = 0
+
+    def copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor``'s copy in the region (one of those the arena was sized for)."""
+        assert self.raw is not None and movable(tensor)
+        out = self.raw[self.offset : self.offset + tensor.nbytes].view(tensor.dtype)
+        self.offset += page_rounded(tensor.nbytes)
+        return out.view(tensor.shape).copy_(tensor)
+
+
+def movable(tensor: object) -> bool:
+    """Whether an arena can hold a copy of ``tensor``: a plain, contiguous CPU tensor."""
+    return (
+        isinstance(tensor, torch.Tensor)
+        and tensor.device.type == "cpu"
+        and tensor.layout == torch.strided
+        and tensor.is_contiguous()
+    )
+
+
+def page_rounded(nbytes: int) -> int:
+    return -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+
+
 def prefault(region: mmap.mmap, raw: torch.Tensor) -> None:
     """Fault every page of a fresh region in now, at start-up, instead of on the first write of
     each part while requests are served (the kernel allocates and zeroes a page on its first

@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from llmserve.kernels import cpu as cpu_kernels
-from llmserve.memory import HUGE_PAGE, huge_page_bytes, release_freed_memory
+from llmserve.memory import HugePageArena, movable, release_freed_memory
 
 logger = logging.getLogger(__name__)
 
@@ -202,27 +202,12 @@ def move_to_huge_pages(model: nn.Module) -> int:
         for module in model.modules()
         if isinstance(module, PackedLinear)
         for name in PackedLinear.OWN_WEIGHTS
-        if _movable(getattr(module, name))
+        if movable(getattr(module, name))
     ]
-    total = sum(_page_rounded(getattr(m, name).nbytes) for m, name in slots)
-    arena = huge_page_bytes(total, populate=False) if total >= HUGE_PAGE else None
-    if arena is None:
+    arena = HugePageArena([getattr(module, name) for module, name in slots])
+    if not arena.nbytes:
         return 0
-    offset = 0
     for module, name in slots:
-        weight = getattr(module, name)
-        moved = arena[offset : offset + weight.nbytes].view(weight.dtype).view(weight.shape)
-        moved.copy_(weight)
-        del weight
-        setattr(module, name, moved)  # the old copy is freed here, one at a time,
-        release_freed_memory()  # and handed back: the resident peak grows by one copy only
-        offset += _page_rounded(moved.nbytes)
-    return total
-
-
-def _movable(weight: torch.Tensor | None) -> bool:
-    return weight is not None and weight.layout == torch.strided and weight.is_contiguous()
-
-
-def _page_rounded(nbytes: int) -> int:
-    return -(-nbytes // 4096) * 4096
+        setattr(module, name, arena.copy(getattr(module, name)))  # the old copy is freed here,
+        release_freed_memory()  # and handed back at once
+    return arena.nbytes

@@ -22,10 +22,12 @@ dequantize-matmul kernel of its device:
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 from torch import nn
 
+from llmserve.memory import HugePageArena, movable, release_freed_memory
 from llmserve.quantization.layout import (
     QuantizedWeight,
     can_concat,
@@ -105,6 +107,39 @@ class QuantLinear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"method={self.method}, {formats}, kernel={self.kernel}"
         )
+
+
+def move_to_huge_pages(model: nn.Module) -> int:
+    """Move every ``QuantLinear``'s blocks (codes, scales, mins) into one region of transparent
+    huge pages (``memory.HugePageArena``), part by part (a tied quantized embedding follows its
+    LM head's); returns the bytes moved (0: none, or no such advice). A decode step streams
+    them all. Measured on an AMD Zen 4 VM (the default model, one process, moved in and out six
+    times, a batch-1 step): int8 13.79 -> 13.40 ms, GGUF (Q8_0 / Q4 blocks) 10.42 -> 10.00."""
+    fields = ("qweight", "scales", "mins")
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    parts = {id(p): p for m in layers for p in m.parts}  # a part shared by two layers: once
+    arena = HugePageArena(
+        [getattr(p, f) for p in parts.values() for f in fields if movable(getattr(p, f))]
+    )
+    del parts
+    if not arena.nbytes:
+        return 0
+    moved: dict[int, QuantizedWeight] = {}
+    for layer in layers:
+        for i, part in enumerate(layer.parts):
+            if id(part) not in moved:
+                copies = {
+                    f: arena.copy(getattr(part, f)) for f in fields if movable(getattr(part, f))
+                }
+                moved[id(part)] = replace(part, **copies)
+            layer.parts[i] = moved[id(part)]  # the old blocks are freed here,
+            del part
+            release_freed_memory()  # and handed back at once
+    for module in model.modules():
+        if isinstance(module, QuantEmbedding):
+            module.weight_q = moved.get(id(module.weight_q), module.weight_q)
+    release_freed_memory()
+    return arena.nbytes
 
 
 class QuantEmbedding(nn.Module):

@@ -17,6 +17,7 @@ from llmserve.memory import release_freed_memory
 from llmserve.models.registry import get_model_class
 from llmserve.quantization import loading as quantization
 from llmserve.quantization.linear import default_kernel as default_quant_kernel
+from llmserve.quantization.linear import move_to_huge_pages as move_quantized_to_huge_pages
 from llmserve.runner import kv_cache
 from llmserve.runner.cuda_graph import CUDAGraphRunner
 from llmserve.runner.model_runner import ModelRunner
@@ -118,6 +119,9 @@ def load_model(
         quantization.quantize_model(model, method, options, kernel)
     if can_pack(device, dtype):
         pack_linear_layers(model, batch_size_hint=config.scheduler.max_num_seqs)
+    if method and device.type == "cpu":
+        moved = move_quantized_to_huge_pages(model)
+        logger.info("quantized blocks: %.1f MiB in huge pages", moved / 2**20)
     release_freed_memory()  # the checkpoint's tensors and the copies made from them
     return model
 

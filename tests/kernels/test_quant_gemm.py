@@ -17,9 +17,11 @@ Tolerances:
 from __future__ import annotations
 
 import shutil
+import sys
 
 import pytest
 import torch
+from kernel_testing import mapping_flags
 
 from llmserve.kernels.cpu import quant
 from llmserve.quantization.layout import QuantizedWeight, pack_int4, reference_linear
@@ -353,3 +355,36 @@ def test_auto_mode_picks_by_rows():
     assert torch.equal(auto(large, weight), quant.quant_linear_f32(large, weight, bf16_gemm=True))
     with pytest.raises(AssertionError):
         quant.linear_function("int4")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise is Linux's")
+def test_quantized_blocks_move_to_huge_pages_with_a_tied_embedding():
+    """Every QuantLinear's codes and scales move into one MADV_HUGEPAGE region; a part two
+    layers share is moved once, a tied quantized embedding follows its LM head's part, and
+    the layers compute what they computed before."""
+    from torch import nn
+
+    from llmserve.quantization.int8 import quantize_int8
+    from llmserve.quantization.linear import QuantEmbedding, QuantLinear, move_to_huge_pages
+
+    torch.manual_seed(0)
+    head = quantize_int8(torch.randn(2048, 1024))  # 2 MiB of codes
+    model = nn.Module()
+    model.embed = QuantEmbedding(head, torch.float32)
+    model.lm_head = QuantLinear([head], kernel="cpu")
+    model.again = QuantLinear([head], kernel="cpu")  # the same part in a second layer
+    model.proj = QuantLinear([quantize_int8(torch.randn(512, 1024))], kernel="cpu")
+    x = torch.randn(3, 1024)
+    want = [layer(x) for layer in (model.lm_head, model.again, model.proj)]
+    ids = torch.tensor([0, 5, 2047])
+    want_rows = model.embed(ids)
+    assert move_to_huge_pages(model) >= head.qweight.nbytes + 512 * 1024
+    moved = model.lm_head.parts[0]
+    assert moved is not head and model.again.parts[0] is moved and model.embed.weight_q is moved
+    for part in (moved, model.proj.parts[0]):
+        for tensor in (part.qweight, part.scales):
+            assert "hg" in mapping_flags(tensor.data_ptr())
+    got = [layer(x) for layer in (model.lm_head, model.again, model.proj)]
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(model.embed(ids), want_rows)
