@@ -121,7 +121,8 @@ def load_model(
         pack_linear_layers(model, batch_size_hint=config.scheduler.max_num_seqs)
     if method and device.type == "cpu":
         moved = move_quantized_to_huge_pages(model)
-        logger.info("quantized blocks: %.1f MiB in huge pages", moved / 2**20)
+        if moved:
+            logger.info("quantized blocks: %.1f MiB in huge pages", moved / 2**20)
     release_freed_memory()  # the checkpoint's tensors and the copies made from them
     return model
 
