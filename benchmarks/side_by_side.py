@@ -250,7 +250,7 @@ class Round:
         self.results["vllm_offline"] = parse_vllm_offline(text)
         log = (self.out / "vllm-offline.txt").read_text()
         preload = re.search(r"vllm_cpu_peer\.py: LD_PRELOAD=(.*)", log)
-        self.results["vllm_preload"] = preload.group(1).strip() if preload else "?"
+        self.results["vllm_preload"] = preload.group(1).strip() if preload else None
 
 
 def measure(args: argparse.Namespace) -> dict:

@@ -56,6 +56,9 @@ def preload_libraries() -> list[str]:
         (p for d in SYSTEM_LIB_DIRS if os.path.exists(p := os.path.join(d, TCMALLOC))), None
     )
     iomp = os.path.join(sys.prefix, "lib", "libiomp5.so")
+    for lib in (tcmalloc, iomp):
+        if lib and not os.path.exists(lib):
+            print(f"vllm_cpu_peer.py: {lib} does not exist; not preloaded", file=sys.stderr)
     return [lib for lib in (tcmalloc, iomp) if lib and os.path.exists(lib)]
 
 
