@@ -95,11 +95,12 @@ class LLM:
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm)
         try:
-            while engine.has_unfinished_requests():
-                for output in engine.step():
-                    if output.finished:
-                        finished[output.request_id] = output
-                        bar.update(1)
+            with engine.compute_threads_bound():
+                while engine.has_unfinished_requests():
+                    for output in engine.step():
+                        if output.finished:
+                            finished[output.request_id] = output
+                            bar.update(1)
         except BaseException:
             engine.abort_request(request_ids)
             raise

@@ -61,6 +61,9 @@ class StubEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def compute_threads_bound(self):
+        return contextlib.nullcontext()  # no model: no compute threads to pin
+
     def step(self) -> list[RequestOutput]:
         self.step_gate.wait(TIMEOUT_S)
         if self.pause_after_steps is not None:

@@ -200,10 +200,11 @@ def drive(
     driver = _Driver(engine, requests, offsets, temperature)
     bar = tqdm(total=len(requests), desc=desc, unit="req", disable=not use_tqdm)
     try:
-        while not driver.is_done():
-            driver.admit_due()
-            if engine.has_unfinished_requests():
-                bar.update(driver.step())
+        with engine.compute_threads_bound():  # as LLM.generate and the server step
+            while not driver.is_done():
+                driver.admit_due()
+                if engine.has_unfinished_requests():
+                    bar.update(driver.step())
     except BaseException:
         engine.abort_request(list(driver.index))
         raise

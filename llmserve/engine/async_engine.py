@@ -233,15 +233,16 @@ class AsyncLLMEngine:
 
     # ---- engine thread ------------------------------------------------------------------
     def _run(self) -> None:
-        while not self._is_stopped:
-            try:
-                self._run_commands(block=not self.engine.has_unfinished_requests())
-                if self.engine.has_unfinished_requests() and not self._is_stopped:
-                    self._step()
-                self._take_snapshot()
-            except Exception:  # keep serving; _step already contains model failures
-                logger.exception("engine loop error")
-                time.sleep(_IDLE_POLL_S)
+        with self.engine.compute_threads_bound():  # this thread steps the model for good
+            while not self._is_stopped:
+                try:
+                    self._run_commands(block=not self.engine.has_unfinished_requests())
+                    if self.engine.has_unfinished_requests() and not self._is_stopped:
+                        self._step()
+                    self._take_snapshot()
+                except Exception:  # keep serving; _step already contains model failures
+                    logger.exception("engine loop error")
+                    time.sleep(_IDLE_POLL_S)
 
     def _run_commands(self, block: bool) -> None:
         try:

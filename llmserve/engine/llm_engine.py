@@ -6,6 +6,7 @@ One step:  scheduler.schedule() -> runner.execute() -> scheduler.update()
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import time
@@ -78,6 +79,9 @@ class LLMEngine:
         )
         logger.info(info)
         self.kv_info = info
+        from llmserve.runner.cpu_threads import planned_cpus
+
+        planned_cpus(getattr(self.runner, "device", None))  # a bad bind list fails here
         self.block_manager = BlockManager(
             num_blocks,
             config.cache.block_size,
@@ -193,6 +197,14 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def compute_threads_bound(self) -> contextlib.AbstractContextManager:
+        """A block in which the calling thread and torch's OpenMP workers are pinned one per
+        core (CPU engines; ``LLMSERVE_CPU_OMP_THREADS_BIND``, llmserve/runner/cpu_threads.py):
+        wrap the loop that calls ``step``."""
+        from llmserve.runner.cpu_threads import compute_threads_bound
+
+        return compute_threads_bound(getattr(self.runner, "device", None))
 
     # ---- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

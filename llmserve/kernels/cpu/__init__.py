@@ -15,6 +15,8 @@
                           load, streamed front to back (body: gemm_impl.h)
     gemm_bf16.cpp         linear_bf16_pack, linear_bf16: the same for bf16 with vdpbf16ps
                           (AVX512_BF16 only: ``has_bf16_gemm``), for decode steps' rows
+    threads.cpp           bind_threads: the calling thread and torch's OpenMP workers pinned
+                          one per CPU (llmserve/runner/cpu_threads.py decides which)
 
 All take float32 or bfloat16 tensors (bf16 is widened to fp32 in registers, accumulated in
 fp32, rounded once when stored) and are threaded with torch's intra-op pool; the GEMM and the
@@ -58,6 +60,7 @@ LIBRARY = NativeLibrary(
             "fused.cpp",
             "gemm.cpp",
             "gemm_bf16.cpp",
+            "threads.cpp",
             "kernels_bindings.cpp",
         )
     ],
@@ -248,3 +251,10 @@ def linear_bf16(
     """``x @ weight.T (+ bias)`` for bfloat16 ``x`` [..., in_features] and a packed weight:
     fp32 sums, rounded to bf16 once (AVX512_BF16 only)."""
     return _direct().linear_bf16(x, packed, out_features, bias)
+
+
+def bind_threads(cpus: list[int]) -> int:
+    """Pin the calling thread to ``cpus[0]`` and torch's OpenMP worker i (the pool this thread's
+    parallel regions use) to ``cpus[i]``; returns how many were pinned (``len(cpus)`` when all
+    were). ``len(cpus)`` should be ``torch.get_num_threads()``."""
+    return _direct().bind_threads([int(c) for c in cpus])

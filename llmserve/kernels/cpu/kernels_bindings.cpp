@@ -7,10 +7,12 @@ void llmserve_bind_fused(pybind11::module_& m);
 void llmserve_bind_paged_attention(pybind11::module_& m);
 void llmserve_bind_gemm(pybind11::module_& m);
 void llmserve_bind_gemm_bf16(pybind11::module_& m);
+void llmserve_bind_threads(pybind11::module_& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   llmserve_bind_fused(m);
   llmserve_bind_paged_attention(m);
   llmserve_bind_gemm(m);
   llmserve_bind_gemm_bf16(m);
+  llmserve_bind_threads(m);
 }
