@@ -5,9 +5,9 @@ to the OS, those threads move between cores whenever something else wakes up on 
 the server's event loop, a benchmark client on the same host, the OS. A step's parallel
 regions then wait at their barriers for a thread that was moved or is sharing a core with its
 sibling. vLLM's CPU worker pins its OpenMP threads for that reason (VLLM_CPU_OMP_THREADS_BIND);
-llmserve does the same. Measured on a 2-core Zen 4 VM, the bf16 server at once (64 x 256/128,
-vLLM's client on the same two cores), four runs each alternated on one server: 393 tok/s mean
-(368-403) floating, 410 (403-415) pinned (docs/benchmarks.md).
+llmserve does the same. Measured on a 2-core Zen 4 VM, alternated runs with and without: 1-3%
+more output tok/s in the means of the server at once and the offline batches (bf16 text2sql
+7.5%), and a narrower spread between runs (docs/benchmarks.md, "compute threads pinned").
 
 ``LLMSERVE_CPU_OMP_THREADS_BIND`` (vLLM's variable under llmserve's prefix):
 
