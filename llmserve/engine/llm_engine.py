@@ -47,6 +47,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig):
         from llmserve.loader import load_config, resolve_model
+        from llmserve.runner.cpu_threads import check_bind_setting
         from llmserve.runner.worker import create_runner
         from llmserve.tokenizer import get_tokenizer
 
@@ -55,6 +56,7 @@ class LLMEngine:
                 "data_parallel_size > 1 runs engine replicas behind `llmserve serve` "
                 "(llmserve/distributed/data_parallel.py); one engine takes 1"
             )
+        check_bind_setting()  # a bad LLMSERVE_CPU_OMP_THREADS_BIND fails before the load
         self.config = config
         self.resolved = resolve_model(config.model.model)
         self.hf_config = load_config(self.resolved)
@@ -79,9 +81,6 @@ class LLMEngine:
         )
         logger.info(info)
         self.kv_info = info
-        from llmserve.runner.cpu_threads import planned_cpus
-
-        planned_cpus(getattr(self.runner, "device", None))  # a bad bind list fails here
         self.block_manager = BlockManager(
             num_blocks,
             config.cache.block_size,

@@ -113,9 +113,15 @@ def compute_threads_bound(device: torch.device | str | None) -> Iterator[list[in
         os.sched_setaffinity(0, previous)
 
 
+def check_bind_setting() -> None:
+    """Raise ValueError for a bad ``LLMSERVE_CPU_OMP_THREADS_BIND`` (the engine asks before it
+    loads the model)."""
+    if hasattr(os, "sched_getaffinity"):
+        plan_cpus(os.environ.get(ENV, "auto"), 0, os.sched_getaffinity(0), {})
+
+
 def planned_cpus(device: torch.device | str | None) -> list[int] | None:
-    """What ``compute_threads_bound`` would pin here, now; raises ValueError for a bad
-    ``LLMSERVE_CPU_OMP_THREADS_BIND`` (the engine asks at start-up)."""
+    """What ``compute_threads_bound`` would pin here, now."""
     if device is None or torch.device(device).type != "cpu" or not hasattr(os, "sched_setaffinity"):
         return None
     from llmserve.kernels import cpu as cpu_kernels
