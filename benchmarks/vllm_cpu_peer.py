@@ -92,9 +92,8 @@ def offline(model: str, dtype: str, prompts_file: str, output_len: int) -> None:
         elapsed = time.perf_counter() - start
         tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
         label = "prompts already in the prefix cache" if cached else "cold prompts"
-        print(
-            f"vllm {dtype} batch of {len(prompts)} (run {run}, {label}): {tokens / elapsed:.1f} tok/s"
-        )
+        rate = tokens / elapsed
+        print(f"vllm {dtype} batch of {len(prompts)} (run {run}, {label}): {rate:.1f} tok/s")
     single = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)
     for run in range(3):
         llm.reset_prefix_cache()

@@ -193,10 +193,10 @@ def move_to_huge_pages(model: nn.Module) -> int:
     plain layout; oneDNN's blocked ones are opaque and stay) into one region of transparent
     huge pages (``memory.HugePageArena``, faulted in as each copy is written); returns the
     bytes moved (0: less than a huge page of them, or no such advice). A decode step streams
-    every weight, and with 4 KiB pages each page is a TLB miss. Measured on an AMD Zen 4 VM (the default model,
-    one process, the copies moved in and out six times, medians): a batch-1 step fp32 17.96 ->
-    14.59 ms, bf16 12.29 -> 10.93; batch 64 (320 tokens of context) fp32 131.0 -> 128.5, bf16
-    63.7 -> 62.3."""
+    every weight, and with 4 KiB pages each page is a TLB miss. Measured on an AMD Zen 4 VM
+    (the default model, one process, the copies moved in and out six times, medians): a batch-1
+    step fp32 17.96 -> 14.59 ms, bf16 12.29 -> 10.93; batch 64 (320 tokens of context) fp32
+    131.0 -> 128.5, bf16 63.7 -> 62.3."""
     slots = [
         (module, name)
         for module in model.modules()

@@ -101,7 +101,7 @@ def compute_threads_bound(device: torch.device | str | None) -> Iterator[list[in
     """Pin the calling thread and torch's OpenMP workers as ``LLMSERVE_CPU_OMP_THREADS_BIND``
     says for the block; the calling thread gets its own CPUs back after. Yields the CPUs, or
     None where nothing was pinned (a GPU or unknown device, nobind, no kernels)."""
-    cpus = planned_cpus(device)
+    cpus = _planned_cpus(device)
     if cpus is None:
         yield None
         return
@@ -116,22 +116,26 @@ def compute_threads_bound(device: torch.device | str | None) -> Iterator[list[in
 def check_bind_setting() -> None:
     """Raise ValueError for a bad ``LLMSERVE_CPU_OMP_THREADS_BIND`` (the engine asks before it
     loads the model)."""
-    if hasattr(os, "sched_getaffinity"):
-        plan_cpus(os.environ.get(ENV, "auto"), 0, os.sched_getaffinity(0), {})
+    _plan(num_threads=0)
 
 
-def planned_cpus(device: torch.device | str | None) -> list[int] | None:
-    """What ``compute_threads_bound`` would pin here, now."""
-    if device is None or torch.device(device).type != "cpu" or not hasattr(os, "sched_setaffinity"):
+def _planned_cpus(device: torch.device | str | None) -> list[int] | None:
+    """What ``compute_threads_bound`` pins here, now."""
+    if device is None or torch.device(device).type != "cpu":
         return None
     from llmserve.kernels import cpu as cpu_kernels
 
-    spec = os.environ.get(ENV, "auto")
-    allowed = os.sched_getaffinity(0)
-    cpus = plan_cpus(spec, torch.get_num_threads(), allowed, physical_cores(allowed))
-    if cpus is None or not cpu_kernels.available():
+    cpus = _plan(torch.get_num_threads())
+    return cpus if cpus is not None and cpu_kernels.available() else None
+
+
+def _plan(num_threads: int) -> list[int] | None:
+    """``plan_cpus`` for this process's setting and affinity mask (None where the OS has no
+    affinity calls)."""
+    if not hasattr(os, "sched_setaffinity"):
         return None
-    return cpus
+    allowed = os.sched_getaffinity(0)
+    return plan_cpus(os.environ.get(ENV, "auto"), num_threads, allowed, physical_cores(allowed))
 
 
 def _bind(cpus: list[int]) -> None:
