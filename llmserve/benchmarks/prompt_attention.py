@@ -62,7 +62,7 @@ def measure(args: argparse.Namespace) -> list[dict]:
             with cpu_kernels.forced_isa(key[1]):
                 start = time.perf_counter()
                 for step in layers:
-                    cpu_kernels.paged_attention(*step, head_dim**-0.5)
+                    cpu_kernels.paged_attention(*step, head_dim**-0.5, args.sdpa_min_rows)
                 times[key].append(time.perf_counter() - start)
     rows = []
     for (dtype_name, isa), samples in times.items():
@@ -78,6 +78,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--sdpa-min-rows", type=int, default=0,
+                   help="prompts from this many tokens go to torch's SDPA (0: none; default 0, "
+                        "this library's kernel alone)")  # fmt: skip
     args = parse_run_args(p, argv, layers=4)
     rows = measure(args)
     print(

@@ -88,6 +88,16 @@ def test_rms_norm_and_fused_residual(width):
     torch.testing.assert_close(out, F.rms_norm(summed, (width,), weight, 1e-5))
 
 
+def test_prompts_go_to_sdpa_in_bf16_on_amx_only():
+    """paged_attention's default: bf16 prompts of PROMPT_SDPA_MIN_ROWS rows or more to torch's
+    SDPA where the CPU has AMX tiles, never in fp32 (the kernel is as fast there)."""
+    amx = torch.cpu._is_amx_tile_supported()
+    assert cpu_kernels.prompt_sdpa_min_rows(torch.float32) == 0
+    assert cpu_kernels.PROMPT_SDPA_MIN_ROWS > 0
+    expected = cpu_kernels.PROMPT_SDPA_MIN_ROWS if amx else 0
+    assert cpu_kernels.prompt_sdpa_min_rows(torch.bfloat16) == expected
+
+
 @pytest.mark.parametrize("width", [1536, 12])
 def test_silu_and_mul(width):
     x = torch.randn(50, 2 * width) * 6

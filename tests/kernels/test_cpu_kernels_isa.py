@@ -89,6 +89,12 @@ VARLEN_CASES = {
     "hd72-bs64-mqa-long": (72, 64, 8, 1, [300], [1000]),
     "hd128-gqa8": (128, 16, 16, 2, [17, 1, 2], [33, 64, 2]),
 }
+# the same with prompts' first chunks of one length (one SDPA call for them), of others, and
+# of fewer rows than sdpa_min_rows = 30 (left to the kernel)
+SDPA_CASES = {
+    "mixed-gqa3": VARLEN_CASES["mixed-gqa3"],
+    "same-lengths": (64, 16, 9, 3, [1, 48, 20, 48, 33, 7], [40, 48, 50, 48, 33, 7]),
+}
 
 
 def as_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: str):
@@ -108,6 +114,22 @@ def as_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: str):
 def test_paged_attention_varlen_matches_fp32_reference(isa, case, dtype, layout, rows):
     """Any step in one call: the new K/V are written at their slots (NaN there before), then
     every query row attends causally over its sequence's context; q/k/v may be strided rows."""
+    check_varlen_step(case, dtype, layout, rows, sdpa_min_rows=0)
+
+
+@pytest.mark.parametrize("sdpa_min_rows", [1, 30])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", SDPA_CASES.values(), ids=SDPA_CASES.keys())
+def test_prompt_first_chunks_by_sdpa(case, dtype, layout, sdpa_min_rows):
+    """Prompts whose whole context is this step's chunk, from ``sdpa_min_rows`` rows, attended
+    by torch's SDPA (prompts of one length in one call) beside the kernel's rows (decodes, a
+    chunk after cached context, shorter prompts): the same K/V written, outputs within
+    tolerance of the fp32 reference; q/k/v as slices of one fused QKV tensor."""
+    check_varlen_step(case, dtype, layout, "fused", sdpa_min_rows)
+
+
+def check_varlen_step(case, dtype, layout: str, rows: str, sdpa_min_rows: int) -> None:
     head_dim, block_size, num_heads, num_kv_heads, q_lens, seq_lens = case
     batch = make_paged_batch(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype)
     slots = [
@@ -127,7 +149,7 @@ def test_paged_attention_varlen_matches_fp32_reference(isa, case, dtype, layout,
     q, k, v = (x.reshape(tokens, -1) for x in (batch.q, new_k, new_v))
     out = cpu_kernels.paged_attention(
         *as_rows(q, k, v, rows), k_cache, v_cache, slot_mapping, batch.block_tables,
-        batch.seq_lens, batch.query_start_loc, scale,
+        batch.seq_lens, batch.query_start_loc, scale, sdpa_min_rows,
     )  # fmt: skip
     torch.testing.assert_close(k_cache, batch.k_cache, equal_nan=True, rtol=0, atol=0)
     torch.testing.assert_close(v_cache, batch.v_cache, equal_nan=True, rtol=0, atol=0)

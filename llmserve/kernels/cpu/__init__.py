@@ -48,6 +48,7 @@ import torch
 from llmserve.kernels.cpu.build import NativeLibrary
 
 _HERE = Path(__file__).parent
+PROMPT_SDPA_MIN_ROWS = 128  # prompt_sdpa_min_rows
 ISAS = ("avx512_bf16", "avx512", "avx2", "avx2_w16", "scalar")
 # no -march: the ISA-specific copies carry target pragmas and are chosen at run time
 LIBRARY = NativeLibrary(
@@ -177,15 +178,36 @@ def paged_attention(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    sdpa_min_rows: int | None = None,
 ) -> torch.Tensor:
     """Any step (prompt chunks and decodes) in one call: ``k, v [T, kvh * D]`` written at
     ``slot_mapping``, then sequence s's query rows ``q[query_start_loc[s]:query_start_loc[s +
     1]]`` (of ``q [T, H * D]``) attend causally over its ``seq_lens[s]`` tokens of context ->
     ``[T, H * D]``. ``block_tables [S, >= ceil(len / block_size)]``, ``seq_lens [S]`` and
-    ``query_start_loc [S + 1]`` are int32."""
+    ``query_start_loc [S + 1]`` are int32. A prompt's first chunk of at least
+    ``sdpa_min_rows`` rows (0: none; None: ``prompt_sdpa_min_rows`` for q's dtype) is attended
+    by torch's SDPA instead of this library's kernel."""
+    if sdpa_min_rows is None:
+        sdpa_min_rows = prompt_sdpa_min_rows(q.dtype)
     return _direct().paged_attention(
-        q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale
-    )
+        q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale,
+        sdpa_min_rows,
+    )  # fmt: skip
+
+
+@functools.cache
+def prompt_sdpa_min_rows(dtype: torch.dtype) -> int:
+    """From how many rows ``paged_attention`` hands a prompt's first chunk to torch's SDPA
+    (0: never): bf16 on CPUs with AMX, whose flash attention runs its products as bf16 GEMMs
+    on AMX tiles. Measured on an Intel Sapphire Rapids class VM (2 threads, the default
+    model's heads, ``python -m llmserve.benchmarks.prompt_attention --sdpa-min-rows``), ms a
+    layer, this library's kernel -> SDPA with its heads-first copies: one prompt of 64 tokens
+    0.08 -> 0.09, 96 0.14 -> 0.13, 128 0.19 -> 0.17, 256 0.59 -> 0.38-0.41, 512 2.11 ->
+    1.29; 8 x 256 4.95-5.49 -> 3.13, 2 x 1024 15.9-16.3 -> 6.3. fp32 there: SDPA 99-143
+    GFLOP/s against this kernel's 114-162, so fp32 (and CPUs without AMX, not measured with
+    SDPA) keep the kernel."""
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+    return PROMPT_SDPA_MIN_ROWS if dtype == torch.bfloat16 and amx else 0
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -74,7 +74,7 @@ void silu_and_mul_rows(const T* x, T* out, int64_t rows, int64_t d) {
       int64_t i = 0;
       for (; i + W <= d; i += W) {
         const Vec g = Vec::load(gate + i);
-        const Vec sig = Vec::div(one, Vec::add(one, Vec::exp(Vec::sub(Vec::zero(), g))));
+        const Vec sig = Vec::recip(Vec::add(one, Vec::exp(Vec::sub(Vec::zero(), g))));
         Vec::mul(Vec::mul(g, sig), Vec::load(up + i)).store(o + i);
       }
       for (; i < d; ++i) {

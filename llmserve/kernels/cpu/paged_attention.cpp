@@ -27,7 +27,9 @@
 //
 // paged_attention takes any step (prompt chunks and decodes): an item is up to 4 query rows
 // of one sequence, attended as one sequence whose heads are those rows' heads, each row seeing
-// its context up to its own position (attend_varlen in paged_attention_impl.h).
+// its context up to its own position (attend_varlen in paged_attention_impl.h). Prompts whose
+// whole context is the step's chunk may go to torch's SDPA instead (prompt_sdpa: bf16 on
+// AMX, where its flash attention's GEMMs run 2-3x this kernel on whole prompts).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -38,6 +40,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <limits>
+#include <map>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -87,6 +90,7 @@ struct Batch {
   const void *q, *k_cache, *v_cache;
   const int32_t *tables, *lens;  // tables: [num_seqs, max_blocks], lens: [num_seqs]
   void* out;
+  const uint8_t* skip = nullptr;  // paged_attention: [num_seqs], 1 = left to prompt_sdpa
 };
 
 // A thread's buffers: the scaled fp32 query (and its bf16 pairs for vdpbf16ps), a block's
@@ -268,15 +272,41 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   return out.view({q.size(0), q.size(1)});
 }
 
+// Prompts' first chunks of one length len (their whole contexts), rows [start, start + len)
+// of q3 [T, H, D] and of k/v [T, kvh * D] for each start, by torch's
+// scaled_dot_product_attention in one call (causal, GQA): its flash attention for CPU runs
+// the products as bf16 GEMMs, on AMX tiles where the CPU has them, 2-3x this file's kernel on
+// whole prompts there (see paged_attention). Heads-first copies [n, heads, len, D]: the flash
+// kernel is slower on strided views (411 against 300 us, one prompt of 256 tokens).
+void prompt_sdpa(const at::Tensor& q3, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
+                 const std::vector<int64_t>& starts, int64_t len, double scale) {
+  const int64_t D = q3.size(2), n = starts.size();
+  auto heads_first = [&](const at::Tensor& rows) {  // [T, heads * D] -> [n, heads, len, D]
+    const int64_t heads = rows.size(1) / D;
+    at::Tensor batch = at::empty({n, heads, len, D}, rows.options());
+    for (int64_t i = 0; i < n; ++i) {
+      batch[i].copy_(rows.narrow(0, starts[i], len).view({len, heads, D}).transpose(0, 1));
+    }
+    return batch;
+  };
+  const at::Tensor o =
+      at::scaled_dot_product_attention(heads_first(q3.view({q3.size(0), -1})), heads_first(k),
+                                       heads_first(v), {}, 0.0, /*is_causal=*/true, scale,
+                                       /*enable_gqa=*/true);
+  for (int64_t i = 0; i < n; ++i) out.narrow(0, starts[i], len).copy_(o[i].transpose(0, 1));
+}
+
 // Any step (prompt chunks and decodes, in the batch layout of attention_metadata.py): this
 // step's k/v rows written at their pool slots, then the query rows [T, H * D] of sequence s,
 // q[query_start[s] : query_start[s + 1]], attending causally over its context of seq_lens[s]
-// tokens (the chunk's own K/V are its last rows) -> [T, H * D].
+// tokens (the chunk's own K/V are its last rows) -> [T, H * D]. A sequence whose whole
+// context is this chunk (a prompt's first chunk, no cached prefix) of at least sdpa_min_rows
+// rows (0: none) goes to prompt_sdpa instead; its K/V are written all the same.
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            at::Tensor& k_cache, at::Tensor& v_cache,
                            const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                            const at::Tensor& seq_lens, const at::Tensor& query_start,
-                           double scale) {
+                           double scale, int64_t sdpa_min_rows) {
   const at::Tensor q3 =
       write_kv_and_split_heads("paged_attention", q, k, v, k_cache, v_cache, slot_mapping);
   const int64_t tokens = q.size(0);
@@ -288,11 +318,19 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   const int32_t* qs = query_start.data_ptr<int32_t>();
   TORCH_CHECK(qs[0] == 0 && qs[b.num_seqs] == tokens, "paged_attention: query_start must run 0..",
               tokens);
+  std::vector<uint8_t> by_sdpa(b.num_seqs, 0);
+  std::map<int64_t, std::vector<int64_t>> sdpa_starts;  // length -> first rows of those prompts
   for (int64_t s = 0; s < b.num_seqs; ++s) {
-    TORCH_CHECK(qs[s] <= qs[s + 1] && qs[s + 1] - qs[s] <= b.lens[s], "paged_attention: sequence ",
-                s, " has ", qs[s + 1] - qs[s], " query rows for a context of ", b.lens[s]);
+    const int64_t q_len = qs[s + 1] - qs[s];
+    TORCH_CHECK(qs[s] <= qs[s + 1] && q_len <= b.lens[s], "paged_attention: sequence ", s,
+                " has ", q_len, " query rows for a context of ", b.lens[s]);
+    by_sdpa[s] = sdpa_min_rows > 0 && q_len >= sdpa_min_rows && q_len == b.lens[s];
+    if (by_sdpa[s]) sdpa_starts[q_len].push_back(qs[s]);
   }
-  LLMSERVE_DISPATCH(run_varlen(b, qs));
+  Batch kernel_part = b;
+  kernel_part.skip = by_sdpa.data();
+  LLMSERVE_DISPATCH(run_varlen(kernel_part, qs));
+  for (const auto& [len, starts] : sdpa_starts) prompt_sdpa(q3, k, v, out, starts, len, scale);
   return out.view({tokens, q.size(1)});
 }
 

@@ -110,6 +110,7 @@ void attend_varlen(const Batch& b, const int32_t* query_start) {
   struct Item { int64_t seq, row0, rows, cost; };
   std::vector<Item> items;
   for (int64_t s = 0; s < b.num_seqs; ++s) {
+    if (b.skip != nullptr && b.skip[s]) continue;  // attended elsewhere (prompt_sdpa)
     const int64_t q_len = query_start[s + 1] - query_start[s], first = b.lens[s] - q_len;
     for (int64_t r0 = 0; r0 < q_len; r0 += kRows) {
       const int64_t rows = std::min(kRows, q_len - r0);
