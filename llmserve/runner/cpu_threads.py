@@ -8,6 +8,10 @@ sibling. vLLM's CPU worker pins its OpenMP threads for that reason (VLLM_CPU_OMP
 llmserve does the same. Measured on a 2-core Zen 4 VM, alternated runs with and without: 1-3%
 more output tok/s in the means of the server at once and the offline batches (bf16 text2sql
 7.5%), and a narrower spread between runs (docs/benchmarks.md, "compute threads pinned").
+On a 2-core Intel Sapphire Rapids class VM the bf16 server read the other way (nobind ahead in
+three of four alternated rounds, 566 against 533 tok/s in the means; offline alike), within
+that VM's round-to-round spread; the default stays auto (docs/benchmarks.md, "An Intel
+Sapphire Rapids class host again").
 
 ``LLMSERVE_CPU_OMP_THREADS_BIND`` (vLLM's variable under llmserve's prefix):
 
@@ -24,6 +28,9 @@ The server's engine thread is pinned for its life; ``LLM.generate`` pins the cal
 while it steps and gives it its own CPUs back after, so threads the caller starts later are
 not confined to one core (the OpenMP workers stay pinned: only the caller's torch ops use
 them). GPU engines and engines without the C++ kernels (which do the pinning) pin nothing.
+Under tensor parallelism only rank 0's process (the one that steps) reads the setting; the
+other ranks never pin. A list there pins rank 0's threads to those CPUs and sets its thread
+count, so it should name CPUs the other ranks do not use; auto pins nothing there.
 """
 
 from __future__ import annotations
