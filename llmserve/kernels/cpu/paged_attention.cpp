@@ -133,6 +133,12 @@ bool keys_transposed(const at::Tensor& k) {
          k.stride(3) == bs;
 }
 
+// Whether query rows of row_len elements, row_stride apart, can be read in place: one row
+// (its stride is moot) or rows that do not overlap; the kernels read q's rows at any stride.
+inline bool rows_apart(int64_t rows, int64_t row_stride, int64_t row_len) {
+  return rows <= 1 || row_stride >= row_len;
+}
+
 Batch check_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                    const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
                    at::Tensor& out) {
@@ -145,7 +151,8 @@ Batch check_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && block_tables.dim() == 2 && out.sizes() == q.sizes(),
               "expected q and out [seqs, heads, dim], cache [blocks, block_size, kv_heads, dim]");
   const int64_t q_row = q.size(1) * q.size(2);  // a row's stride is moot when there is one row
-  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && (q.size(0) <= 1 || q.stride(0) >= q_row) &&
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) &&
+                  rows_apart(q.size(0), q.stride(0), q_row) &&
                   (k_cache.is_contiguous() || keys_transposed(k_cache)) &&
                   v_cache.is_contiguous() && out.is_contiguous() && block_tables.is_contiguous() &&
                   seq_lens.is_contiguous(),
@@ -255,8 +262,8 @@ at::Tensor write_kv_and_split_heads(const char* op, const at::Tensor& q, const a
   TORCH_CHECK(q.dim() == 2 && q.size(1) % head_dim == 0, op, ": q must be [T, H * D]");
   write_rows(op, "k", k, k_cache, slot_mapping);
   write_rows(op, "v", v, v_cache, slot_mapping);
-  const bool rows_apart = q.stride(1) == 1 && (tokens <= 1 || q.stride(0) >= q.size(1));
-  return (rows_apart ? q : q.contiguous()).view({tokens, q.size(1) / head_dim, head_dim});
+  const bool in_place = q.stride(1) == 1 && rows_apart(tokens, q.stride(0), q.size(1));
+  return (in_place ? q : q.contiguous()).view({tokens, q.size(1) / head_dim, head_dim});
 }
 
 // A step of decodes only, in one call: this step's k/v rows written at their pool slots, then
