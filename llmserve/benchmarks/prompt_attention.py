@@ -10,6 +10,9 @@ query row attends over its prompt up to itself. A prompt's K/V stay in the cache
 rows re-read them, so this kernel is bound by its arithmetic, not by memory: compare the
 GFLOP/s with the machine's fp32 matmul rate (``../shared/tools/roofline.py``). Counted: the
 causal QK^T and PV products, 4 * heads * head_dim * L (L + 1) / 2 per prompt.
+``--sdpa-min-rows N`` hands prompts of N tokens or more to torch's SDPA inside the same call,
+as the engine does in bf16 on CPUs with AMX (``kernels.cpu.prompt_sdpa_min_rows``); the
+default, 0, times this library's kernel alone.
 """
 
 from __future__ import annotations
