@@ -8,10 +8,10 @@ sibling. vLLM's CPU worker pins its OpenMP threads for that reason (VLLM_CPU_OMP
 llmserve does the same. Measured on a 2-core Zen 4 VM, alternated runs with and without: 1-3%
 more output tok/s in the means of the server at once and the offline batches (bf16 text2sql
 7.5%), and a narrower spread between runs (docs/benchmarks.md, "compute threads pinned").
-On a 2-core Intel Sapphire Rapids class VM the bf16 server read the other way (nobind ahead in
-three of four alternated rounds, 566 against 533 tok/s in the means; offline alike), within
-that VM's round-to-round spread; the default stays auto (docs/benchmarks.md, "An Intel
-Sapphire Rapids class host again").
+On a 2-core Intel Sapphire Rapids class VM the bf16 server read the other way: nobind ahead
+in six of seven alternated rounds, by 4.6-6% in the means (offline alike); the default stays
+auto until a default by vendor is measured on both (docs/benchmarks.md, "An Intel Sapphire
+Rapids class host again").
 
 ``LLMSERVE_CPU_OMP_THREADS_BIND`` (vLLM's variable under llmserve's prefix):
 
