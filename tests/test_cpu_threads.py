@@ -16,7 +16,13 @@ from llmserve import LLM, SamplingParams
 from llmserve.engine.async_engine import AsyncLLMEngine
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.kernels import cpu as cpu_kernels
-from llmserve.runner.cpu_threads import ENV, compute_threads_bound, parse_cpu_list, plan_cpus
+from llmserve.runner.cpu_threads import (
+    ENV,
+    auto_pins_here,
+    compute_threads_bound,
+    parse_cpu_list,
+    plan_cpus,
+)
 from tests.quantization.tiny_llama import save_tiny_llama
 
 ALLOWED = sorted(os.sched_getaffinity(0))
@@ -47,6 +53,16 @@ def test_auto_takes_one_cpu_per_core_when_torch_has_a_thread_per_core():
     assert plan_cpus("auto", 8, allowed, smt) is None  # more threads than cores
     assert plan_cpus("auto", 1, {3}, cores_of([3])) is None  # one thread: nothing to gain
     assert plan_cpus("nobind", 4, allowed, smt) is None
+
+
+def test_auto_pins_nothing_where_it_does_not_pay_but_a_list_still_pins():
+    """On Intel CPUs auto pins nothing (measured slower there); a list pins all the same."""
+    smt = cores_of([0, 4], [1, 5])
+    assert plan_cpus("auto", 2, {0, 1, 4, 5}, smt, auto_pins=False) is None
+    assert plan_cpus("0,1", 2, {0, 1, 4, 5}, smt, auto_pins=False) == [0, 1]
+    with open("/proc/cpuinfo") as f:
+        intel = "GenuineIntel" in f.read()
+    assert auto_pins_here() is not intel
 
 
 def test_an_explicit_list_is_taken_as_given_and_checked_against_the_mask():

@@ -8,10 +8,9 @@ sibling. vLLM's CPU worker pins its OpenMP threads for that reason (VLLM_CPU_OMP
 llmserve does the same. Measured on a 2-core Zen 4 VM, alternated runs with and without: 1-3%
 more output tok/s in the means of the server at once and the offline batches (bf16 text2sql
 7.5%), and a narrower spread between runs (docs/benchmarks.md, "compute threads pinned").
-On a 2-core Intel Sapphire Rapids class VM the bf16 server read the other way: nobind ahead
-in six of seven alternated rounds, by 4.6-6% in the means (offline alike); the default stays
-auto until a default by vendor is measured on both (docs/benchmarks.md, "An Intel Sapphire
-Rapids class host again").
+On a 2-core Intel Sapphire Rapids class VM the bf16 server read the other way: unpinned ahead
+in six of seven alternated rounds, by 4.6-6% in the means (offline alike; docs/benchmarks.md,
+"An Intel Sapphire Rapids class host again"), so auto pins nothing on Intel CPUs.
 
 ``LLMSERVE_CPU_OMP_THREADS_BIND`` (vLLM's variable under llmserve's prefix):
 
@@ -20,6 +19,7 @@ Rapids class host again").
                     cores it may run on. Otherwise (tensor-parallel ranks or data-parallel
                     replicas that split the cores, a smaller ``torch.set_num_threads``) no
                     thread is pinned: which cores are free is not this process's to know.
+                    Nothing is pinned on Intel CPUs either (measured slower there, above).
     nobind          no thread is pinned
     0-1,4           these CPUs, one torch thread each (torch's thread count becomes their
                     number, as vLLM does)
@@ -36,6 +36,7 @@ count, so it should name CPUs the other ranks do not use; auto pins nothing ther
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 from collections.abc import Iterator
@@ -82,15 +83,20 @@ def physical_cores(allowed: set[int]) -> dict[tuple[int, int], list[int]]:
 
 
 def plan_cpus(
-    spec: str, num_threads: int, allowed: set[int], cores: dict[tuple[int, int], list[int]]
+    spec: str,
+    num_threads: int,
+    allowed: set[int],
+    cores: dict[tuple[int, int], list[int]],
+    auto_pins: bool = True,
 ) -> list[int] | None:
     """The CPU for each compute thread (slot 0: the stepping thread), or None to pin none.
-    ``cores``: ``physical_cores(allowed)``."""
+    ``cores``: ``physical_cores(allowed)``; ``auto_pins``: whether auto pins on this CPU
+    (``auto_pins_here``)."""
     spec = spec.strip().lower() or "auto"
     if spec == "nobind":
         return None
     if spec == "auto":
-        if num_threads < 2 or num_threads != len(cores):
+        if not auto_pins or num_threads < 2 or num_threads != len(cores):
             return None
         return [siblings[0] for siblings in cores.values()]
     cpus = parse_cpu_list(spec)
@@ -142,7 +148,18 @@ def _plan(num_threads: int) -> list[int] | None:
     if not hasattr(os, "sched_setaffinity"):
         return None
     allowed = os.sched_getaffinity(0)
-    return plan_cpus(os.environ.get(ENV, "auto"), num_threads, allowed, physical_cores(allowed))
+    spec = os.environ.get(ENV, "auto")
+    return plan_cpus(spec, num_threads, allowed, physical_cores(allowed), auto_pins_here())
+
+
+@functools.cache
+def auto_pins_here() -> bool:
+    """Whether auto pins on this CPU: not on Intel (the module docstring), elsewhere yes."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return not any(line.startswith("vendor_id") and "GenuineIntel" in line for line in f)
+    except OSError:
+        return True
 
 
 def _bind(cpus: list[int]) -> None:
