@@ -101,22 +101,33 @@ def own_bf16_gemm_rows(out_features: int, in_features: int) -> int:
 
 
 @functools.cache
-def is_amd_zen4() -> bool:
-    """Whether this CPU is an AMD Zen 4 (Linux's /proc/cpuinfo; False elsewhere)."""
+def cpu_fields() -> dict[str, str]:
+    """The first processor's fields of Linux's /proc/cpuinfo (vendor_id, cpu family, flags...;
+    empty elsewhere)."""
     try:
         with open("/proc/cpuinfo") as f:
-            return cpuinfo_is_amd_zen4(f.read())
+            return cpuinfo_fields(f.read())
     except OSError:
-        return False
+        return {}
 
 
-def cpuinfo_is_amd_zen4(cpuinfo: str) -> bool:
-    """AMD family 19h with AVX-512: Zen 4 (Zen 3 is family 19h without it, Zen 5 is 1Ah)."""
-    first = cpuinfo.split("\n\n", 1)[0]  # the first processor's block
-    fields = dict(
+def cpuinfo_fields(cpuinfo: str) -> dict[str, str]:
+    """The fields of /proc/cpuinfo's text, its first processor's block."""
+    first = cpuinfo.split("\n\n", 1)[0]
+    return dict(
         (key.strip(), value.strip())
         for key, _, value in (line.partition(":") for line in first.splitlines())
     )
+
+
+@functools.cache
+def is_amd_zen4() -> bool:
+    """Whether this CPU is an AMD Zen 4 (Linux's /proc/cpuinfo; False elsewhere)."""
+    return fields_are_amd_zen4(cpu_fields())
+
+
+def fields_are_amd_zen4(fields: dict[str, str]) -> bool:
+    """AMD family 19h with AVX-512: Zen 4 (Zen 3 is family 19h without it, Zen 5 is 1Ah)."""
     return (
         fields.get("vendor_id") == "AuthenticAMD"
         and fields.get("cpu family") == "25"

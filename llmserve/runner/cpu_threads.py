@@ -36,7 +36,6 @@ count, so it should name CPUs the other ranks do not use; auto pins nothing ther
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
 from collections.abc import Iterator
@@ -152,14 +151,11 @@ def _plan(num_threads: int) -> list[int] | None:
     return plan_cpus(spec, num_threads, allowed, physical_cores(allowed), auto_pins_here())
 
 
-@functools.cache
 def auto_pins_here() -> bool:
     """Whether auto pins on this CPU: not on Intel (the module docstring), elsewhere yes."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return not any(line.startswith("vendor_id") and "GenuineIntel" in line for line in f)
-    except OSError:
-        return True
+    from llmserve.layers.cpu_linear import cpu_fields
+
+    return cpu_fields().get("vendor_id") != "GenuineIntel"
 
 
 def _bind(cpus: list[int]) -> None:

@@ -211,4 +211,9 @@ def test_zen4_is_told_apart_by_vendor_family_and_avx512(vendor, family, flags, z
     block = (
         f"processor\t: {{}}\nvendor_id\t: {vendor}\ncpu family\t: {family}\nflags\t\t: {flags}\n"
     )
-    assert cpu_linear.cpuinfo_is_amd_zen4(block.format(0) + "\n" + block.format(1)) == zen4
+    assert (
+        cpu_linear.fields_are_amd_zen4(
+            cpu_linear.cpuinfo_fields(block.format(0) + "\n" + block.format(1))
+        )
+        == zen4
+    )

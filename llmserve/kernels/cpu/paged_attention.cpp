@@ -318,7 +318,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
       write_kv_and_split_heads("paged_attention", q, k, v, k_cache, v_cache, slot_mapping);
   const int64_t tokens = q.size(0);
   at::Tensor out = at::empty({q3.size(0), q3.size(1), q3.size(2)}, q3.options());
-  const Batch b = check_inputs(q3, k_cache, v_cache, block_tables, seq_lens, scale, out);
+  Batch b = check_inputs(q3, k_cache, v_cache, block_tables, seq_lens, scale, out);
   TORCH_CHECK(query_start.scalar_type() == at::kInt && query_start.is_contiguous() &&
                   query_start.numel() == b.num_seqs + 1,
               "paged_attention: query_start must be int32 [num_seqs + 1]");
@@ -334,9 +334,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
     by_sdpa[s] = sdpa_min_rows > 0 && q_len >= sdpa_min_rows && q_len == b.lens[s];
     if (by_sdpa[s]) sdpa_starts[q_len].push_back(qs[s]);
   }
-  Batch kernel_part = b;
-  kernel_part.skip = by_sdpa.data();
-  LLMSERVE_DISPATCH(run_varlen(kernel_part, qs));
+  b.skip = by_sdpa.data();
+  LLMSERVE_DISPATCH(run_varlen(b, qs));
   for (const auto& [len, starts] : sdpa_starts) prompt_sdpa(q3, k, v, out, starts, len, scale);
   return out.view({tokens, q.size(1)});
 }
