@@ -62,7 +62,7 @@ FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx51
 def host_info() -> dict:
     """The CPU's name and the flags that choose kernels, the commit, the time."""
     from llmserve.benchmarks.report import machine_info
-    from llmserve.kernels.cpu.quant import cpu_flags
+    from llmserve.cpuinfo import cpu_flags
 
     machine = machine_info()
     info = {"time_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),

@@ -10,6 +10,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from llmserve.cpuinfo import cpu_fields
+
 
 def format_table(
     headers: Sequence[str], rows: Sequence[Sequence[Any]], markdown: bool = False
@@ -69,14 +71,7 @@ def machine_text(machine: dict[str, Any]) -> str:
 
 
 def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return cpu_fields().get("model name") or platform.processor() or platform.machine()
 
 
 def write_json(path: str | None, report: dict[str, Any]) -> None:

@@ -41,12 +41,12 @@ Applied to a plain model after its weights are loaded, like a quantization pass.
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
 from torch import nn
 
+from llmserve.cpuinfo import is_amd_zen4
 from llmserve.kernels import cpu as cpu_kernels
 from llmserve.memory import HugePageArena, movable, release_freed_memory
 
@@ -98,41 +98,6 @@ def own_bf16_gemm_rows(out_features: int, in_features: int) -> int:
     if in_features % 2 or not is_amd_zen4() or not cpu_kernels.has_bf16_gemm():
         return 0
     return BF16_DECODE_ROWS if out_features <= MAX_OWN_GEMM_FEATURES else BF16_WIDE_ROWS
-
-
-@functools.cache
-def cpu_fields() -> dict[str, str]:
-    """The first processor's fields of Linux's /proc/cpuinfo (vendor_id, cpu family, flags...;
-    empty elsewhere)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return cpuinfo_fields(f.read())
-    except OSError:
-        return {}
-
-
-def cpuinfo_fields(cpuinfo: str) -> dict[str, str]:
-    """The fields of /proc/cpuinfo's text, its first processor's block."""
-    first = cpuinfo.split("\n\n", 1)[0]
-    return dict(
-        (key.strip(), value.strip())
-        for key, _, value in (line.partition(":") for line in first.splitlines())
-    )
-
-
-@functools.cache
-def is_amd_zen4() -> bool:
-    """Whether this CPU is an AMD Zen 4 (Linux's /proc/cpuinfo; False elsewhere)."""
-    return fields_are_amd_zen4(cpu_fields())
-
-
-def fields_are_amd_zen4(fields: dict[str, str]) -> bool:
-    """AMD family 19h with AVX-512: Zen 4 (Zen 3 is family 19h without it, Zen 5 is 1Ah)."""
-    return (
-        fields.get("vendor_id") == "AuthenticAMD"
-        and fields.get("cpu family") == "25"
-        and "avx512f" in fields.get("flags", "").split()
-    )
 
 
 class PackedLinear(nn.Module):

@@ -43,6 +43,8 @@ from pathlib import Path
 
 import torch
 
+from llmserve import cpuinfo
+
 logger = logging.getLogger(__name__)
 
 ENV = "LLMSERVE_CPU_OMP_THREADS_BIND"
@@ -153,9 +155,7 @@ def _plan(num_threads: int) -> list[int] | None:
 
 def auto_pins_here() -> bool:
     """Whether auto pins on this CPU: not on Intel (the module docstring), elsewhere yes."""
-    from llmserve.layers.cpu_linear import cpu_fields
-
-    return cpu_fields().get("vendor_id") != "GenuineIntel"
+    return not cpuinfo.is_intel()
 
 
 def _bind(cpus: list[int]) -> None:

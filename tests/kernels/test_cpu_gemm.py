@@ -19,6 +19,7 @@ from kernel_testing import mapping_field, mapping_flags, num_threads
 from torch import nn
 from torch.nn import functional as F
 
+from llmserve import cpuinfo
 from llmserve.kernels import cpu as cpu_kernels
 from llmserve.layers import cpu_linear
 from llmserve.layers.cpu_linear import (
@@ -212,8 +213,8 @@ def test_zen4_is_told_apart_by_vendor_family_and_avx512(vendor, family, flags, z
         f"processor\t: {{}}\nvendor_id\t: {vendor}\ncpu family\t: {family}\nflags\t\t: {flags}\n"
     )
     assert (
-        cpu_linear.fields_are_amd_zen4(
-            cpu_linear.cpuinfo_fields(block.format(0) + "\n" + block.format(1))
+        cpuinfo.fields_are_amd_zen4(
+            cpuinfo.cpuinfo_fields(block.format(0) + "\n" + block.format(1))
         )
         == zen4
     )

@@ -18,8 +18,8 @@ import torch
 from kernel_testing import make_paged_batch, tolerance
 from torch.nn import functional as F
 
+from llmserve.cpuinfo import cpu_flags
 from llmserve.kernels import cpu as cpu_kernels
-from llmserve.kernels.cpu.quant import cpu_flags
 from llmserve.kernels.reference import ref_paged_attention
 from llmserve.layers.rotary import RotaryEmbedding
 from llmserve.runner.kv_cache import transposed_keys

@@ -25,12 +25,12 @@ Without a C++ compiler, or with ``LLMSERVE_CPU_KERNELS=0``, ``available()`` is F
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from llmserve.cpuinfo import cpu_flags
 from llmserve.kernels.cpu.build import NativeLibrary
 from llmserve.quantization.layout import QuantizedWeight
 
@@ -115,16 +115,6 @@ def quant_linear(
         x, weight.qweight, weight.scales, weight.mins, weight.lut, weight.perm,
         weight.bits, weight.group_size, bias, isa, act_digits,
     )  # fmt: skip
-
-
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags as Linux lists them (empty elsewhere)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return frozenset(next((line for line in f if line.startswith("flags")), "").split())
-    except OSError:
-        return frozenset()
 
 
 def has_bf16_gemm() -> bool:
