@@ -21,7 +21,7 @@ from typing import Any
 
 from llmserve.config import EngineConfig
 from llmserve.distributed.plan import make_plan
-from llmserve.distributed.replica import EngineFrontend, Replica, ReplicaActor, connect_ray
+from llmserve.distributed.replica import Replica, ReplicaActor, connect_ray
 from llmserve.distributed.router import PrefixRouter
 from llmserve.engine.async_engine import (
     EngineClosedError,
@@ -30,6 +30,7 @@ from llmserve.engine.async_engine import (
     RequestStream,
 )
 from llmserve.engine.async_engine import ReplicaDiedError as ReplicaDiedError
+from llmserve.engine.frontend import EngineFrontend
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams
 

@@ -1,6 +1,7 @@
 """One data-parallel replica and what the front end needs beside it: the Ray actor that runs
-an engine (``ReplicaActor``), its slot in the server (``Replica``), the model-less view of the
-engine the HTTP layer reads (``EngineFrontend``) and the Ray connection (``connect_ray``).
+an engine (``ReplicaActor``), its slot in the server (``Replica``) and the Ray connection
+(``connect_ray``); the model-less view of the engine the HTTP layer reads is
+``engine/frontend.py``'s ``EngineFrontend``.
 ``data_parallel.py`` routes requests over them."""
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import socket
 from dataclasses import dataclass
 from typing import Any
 
-from llmserve.config import EngineConfig
 from llmserve.engine.async_engine import EngineSnapshot, RequestStream
 from llmserve.sampling_params import SamplingParams
 
@@ -75,38 +75,6 @@ class ReplicaActor:
     async def snapshot(self) -> tuple[EngineSnapshot, int]:
         self._ensure_started()
         return self.engine.snapshot, self.engine.num_waiting
-
-
-@dataclass
-class EngineFrontend:
-    """What the server reads from an engine, without a model: tokenizer, config, names."""
-
-    config: EngineConfig
-    resolved: Any
-    hf_config: Any
-    tokenizer: Any
-    grammars: Any
-    model_name: str = ""
-    max_model_len: int = 0
-    kv_info: str = ""
-
-    @classmethod
-    def load(cls, config: EngineConfig) -> EngineFrontend:
-        from llmserve.loader import load_config, resolve_model
-        from llmserve.structured_output.grammar import GrammarCompiler
-        from llmserve.tokenizer import get_tokenizer
-
-        resolved = resolve_model(config.model.model)
-        hf_config = load_config(resolved)
-        tokenizer = get_tokenizer(resolved)
-        grammars = GrammarCompiler(tokenizer, hf_config.vocab_size, tokenizer.eos_token_id)
-        return cls(config, resolved, hf_config, tokenizer, grammars)
-
-    def prompt_token_ids(self, prompt) -> tuple[str | None, list[int]]:
-        """The prompt as the engine would tokenize it (``LLMEngine.tokenize``)."""
-        from llmserve.tokenizer import tokenize_prompt
-
-        return tokenize_prompt(self.tokenizer, prompt)
 
 
 @dataclass

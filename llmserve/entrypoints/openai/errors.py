@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from llmserve.engine.async_engine import (
     EngineClosedError,
     EngineOverloadedError,
+    EngineStepError,
     ReplicaDiedError,
 )
 from llmserve.sampling_params import SamplingParams
@@ -88,6 +89,8 @@ def error_from_exception(e: Exception) -> OpenAIError:
         return OpenAIError(
             str(e), 503, code="replica_unavailable", headers={"Retry-After": str(RETRY_AFTER_S)}
         )
+    if isinstance(e, EngineStepError):  # its text is the engine's own, meant for the client
+        return OpenAIError(str(e), 500, code="engine_error")
     logger.exception("unexpected error", exc_info=e)
     return OpenAIError(f"internal error: {type(e).__name__}", 500)
 

@@ -1,8 +1,12 @@
 """``llmserve serve``: flags, start-up (model, KV arithmetic, URL) and a clean shutdown.
 
+The engine runs in a thread of the server's process (``engine/async_engine.py``);
+``--engine-core-process`` runs it in a process of its own (``engine/core_process.py``, vLLM's
+design), and ``--data-parallel-size N`` runs N engines as Ray actors.
+
 SIGINT / SIGTERM: the server stops taking requests, ends those in flight with
 ``finish_reason: "abort"`` (streams still get ``data: [DONE]``), waits for the responses to
-go out, stops the engine thread and exits 0.
+go out, stops the engine and exits 0.
 
 uvicorn picks uvloop and httptools (dependencies) over asyncio and h11 when they import, as
 vLLM's server does: the event loop shares two cores with the engine's kernel threads, so its
@@ -49,6 +53,12 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="answer 503 (Retry-After) while this many requests wait (default: 1024)",
     )
     server.add_argument(
+        "--engine-core-process",
+        action="store_true",
+        help="run the engine in a process of its own, HTTP in this one (vLLM's design; "
+        "engine/core_process.py); default: the engine in a thread of this process",
+    )
+    server.add_argument(
         "--uvicorn-log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
@@ -80,6 +90,11 @@ def run_server(args: argparse.Namespace) -> int:
         from llmserve.distributed.data_parallel import DataParallelEngine
 
         async_engine = DataParallelEngine(config, max_num_waiting=args.max_num_waiting)
+        engine = async_engine.engine
+    elif args.engine_core_process:  # the model in a process of its own (engine/core_process.py)
+        from llmserve.engine.core_client import EngineCoreClient
+
+        async_engine = EngineCoreClient(config, max_num_waiting=args.max_num_waiting)
         engine = async_engine.engine
     else:
         async_engine = AsyncLLMEngine.build(lambda: LLMEngine(config), args.max_num_waiting)

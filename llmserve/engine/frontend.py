@@ -1,0 +1,42 @@
+"""What the HTTP layer reads from an engine, without the model: ``EngineFrontend`` (tokenizer,
+config, grammars, names). The server process holds one wherever the model runs elsewhere: in
+the engine-core process (``core_client.py``) or in data-parallel replicas."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from llmserve.config import EngineConfig
+
+
+@dataclass
+class EngineFrontend:
+    """What the server reads from an engine, without a model: tokenizer, config, names."""
+
+    config: EngineConfig
+    resolved: Any
+    hf_config: Any
+    tokenizer: Any
+    grammars: Any
+    model_name: str = ""
+    max_model_len: int = 0
+    kv_info: str = ""
+
+    @classmethod
+    def load(cls, config: EngineConfig) -> EngineFrontend:
+        from llmserve.loader import load_config, resolve_model
+        from llmserve.structured_output.grammar import GrammarCompiler
+        from llmserve.tokenizer import get_tokenizer
+
+        resolved = resolve_model(config.model.model)
+        hf_config = load_config(resolved)
+        tokenizer = get_tokenizer(resolved)
+        grammars = GrammarCompiler(tokenizer, hf_config.vocab_size, tokenizer.eos_token_id)
+        return cls(config, resolved, hf_config, tokenizer, grammars)
+
+    def prompt_token_ids(self, prompt) -> tuple[str | None, list[int]]:
+        """The prompt as the engine would tokenize it (``LLMEngine.tokenize``)."""
+        from llmserve.tokenizer import tokenize_prompt
+
+        return tokenize_prompt(self.tokenizer, prompt)
