@@ -51,6 +51,16 @@ def fields_are_amd_zen4(fields: dict[str, str]) -> bool:
     )
 
 
+def is_amd_zen5() -> bool:
+    """Whether this CPU is an AMD Zen 5 (family 1Ah with AVX-512; False off Linux)."""
+    fields = cpu_fields()
+    return (
+        fields.get("vendor_id") == "AuthenticAMD"
+        and fields.get("cpu family") == "26"
+        and "avx512f" in fields.get("flags", "").split()
+    )
+
+
 def is_intel() -> bool:
     """Whether this CPU's vendor is Intel (False off Linux)."""
     return cpu_fields().get("vendor_id") == "GenuineIntel"

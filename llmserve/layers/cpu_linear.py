@@ -33,8 +33,15 @@ weight packed once skips that. Two kernels:
   shapes, 30 weight copies (from memory), one process, alternated against oneDNN: M = 1-2
   1.6-2.6x, 8 1.2-2.0x, 32 1.0-1.3x, 64 1.04-1.2x, 128 1.0-1.05x, 256 0.9-1.0x; the LM head's
   width 1.3-1.6x at 1-2 rows, 1.07-1.09x at 4-6, 0.93-1.06x at 8, 0.8-0.97x from 16. Hence up to
-  ``BF16_DECODE_ROWS`` rows for layers, ``BF16_WIDE_ROWS`` for the LM head. Other hosts with
-  AVX512_BF16 (Zen 5, Intel) are not measured and keep oneDNN.
+  ``BF16_DECODE_ROWS`` rows for layers, ``BF16_WIDE_ROWS`` for the LM head.
+- bf16 on AMD Zen 5 (family 1Ah): every call takes ``linear_bf16``, from the only copy
+  (``own_bf16_gemm_is_faster``). ``python -m llmserve.benchmarks.fp32_linear --dtype bfloat16``
+  (30 weight copies, 3 rounds) against oneDNN's packed weight, microseconds per call, q|k|v /
+  o / gate|up / down / LM head: M = 1 13 / 9 / 50 / 23 / 1222 against 24 / 18 / 61 / 34 / 1359;
+  M = 64 89 / 55 / 273 / 140 / 4470 against 123 / 79 / 300 / 181 / 4460; M = 128 161 / 106 /
+  481 / 249 / 7678 against 199 / 130 / 534 / 295 / 8141; M = 256 and 2048 even or ahead by
+  1-9%. In the engine (random 256/128 x 64 offline, bf16) 814-839 tok/s against 710-731.
+  Intel's AMX hosts keep oneDNN (ours ran 2.7x slower there: no AMX tiles in it).
 
 Applied to a plain model after its weights are loaded, like a quantization pass.
 """
@@ -46,7 +53,7 @@ import logging
 import torch
 from torch import nn
 
-from llmserve.cpuinfo import is_amd_zen4
+from llmserve.cpuinfo import is_amd_zen4, is_amd_zen5
 from llmserve.kernels import cpu as cpu_kernels
 from llmserve.memory import HugePageArena, movable, release_freed_memory
 
@@ -92,6 +99,12 @@ def own_fp32_decode_rows(out_features: int) -> int:
     return FP32_DECODE_ROWS if out_features <= MAX_OWN_GEMM_FEATURES else GEMV_ROWS
 
 
+def own_bf16_gemm_is_faster(in_features: int) -> bool:
+    """Whether llmserve's bf16 GEMM beats oneDNN at every row count here, so that a bf16
+    layer keeps only the copy packed for ours: on AMD Zen 5 (see the module docstring)."""
+    return in_features % 2 == 0 and is_amd_zen5() and cpu_kernels.has_bf16_gemm()
+
+
 def own_bf16_gemm_rows(out_features: int, in_features: int) -> int:
     """Up to how many rows a bf16 layer of this shape takes llmserve's bf16 GEMM here (0:
     never; measured on Zen 4 only, see the module docstring)."""
@@ -111,10 +124,13 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
         self.bias = linear.bias
-        fp32 = weight.dtype == torch.float32
+        fp32, bf16 = weight.dtype == torch.float32, weight.dtype == torch.bfloat16
         self.own_gemm = fp32 and own_gemm_is_faster(self.out_features)
+        self.own_bf16_gemm = bf16 and own_bf16_gemm_is_faster(self.in_features)
         if self.own_gemm:
             self.packed_weight = cpu_kernels.linear_f32_pack(weight)
+        elif self.own_bf16_gemm:
+            self.packed_weight = cpu_kernels.linear_bf16_pack(weight)
         else:
             self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, batch_size_hint)
         # a second copy for decode-sized calls (own_fp32_decode_rows)
@@ -123,7 +139,7 @@ class PackedLinear(nn.Module):
         # bf16: a second copy for decode-sized calls (own_bf16_gemm_rows)
         self.bf16_rows = (
             own_bf16_gemm_rows(self.out_features, self.in_features)
-            if weight.dtype == torch.bfloat16
+            if bf16 and not self.own_bf16_gemm
             else 0
         )
         self.bf16_weight = cpu_kernels.linear_bf16_pack(weight) if self.bf16_rows else None
@@ -131,6 +147,8 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.own_gemm:
             return cpu_kernels.linear_f32(x, self.packed_weight, self.out_features, self.bias)
+        if self.own_bf16_gemm:  # a bf16 model's activations are bf16
+            return cpu_kernels.linear_bf16(x, self.packed_weight, self.out_features, self.bias)
         if self.f32_weight is not None and x.numel() <= self.f32_rows * self.in_features:
             return cpu_kernels.linear_f32(
                 x, self.f32_weight, self.out_features, self.bias, whole_panels=True
@@ -145,6 +163,8 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         kernel = "llmserve fp32 GEMM" if self.own_gemm else "oneDNN"
+        if self.own_bf16_gemm:
+            kernel = "llmserve bf16 GEMM"
         if self.f32_weight is not None:
             kernel += f" (llmserve's for up to {self.f32_rows} rows)"
         if self.bf16_weight is not None:

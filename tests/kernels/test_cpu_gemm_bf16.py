@@ -123,16 +123,18 @@ def test_linear_bf16_refuses_what_it_cannot_run():
         cpu_kernels.linear_bf16(x, packed, 10)
 
 
-@pytest.mark.parametrize("zen4", [False, True])
-def test_packed_linear_takes_the_bf16_gemm_for_decode_rows_on_zen4(zen4, monkeypatch):
+@pytest.mark.parametrize("host", ["other", "zen4", "zen5"])
+def test_packed_linear_takes_the_bf16_gemm_where_it_is_faster(host, monkeypatch):
     """On Zen 4, bf16 layers take llmserve's GEMM up to BF16_DECODE_ROWS rows (the LM head's
-    width up to BF16_WIDE_ROWS) from a second packed copy, and oneDNN beyond; elsewhere oneDNN
-    throughout."""
+    width up to BF16_WIDE_ROWS) from a second packed copy, and oneDNN beyond; on Zen 5 they
+    keep only llmserve's copy and take it at every row count; elsewhere oneDNN throughout."""
     if not cpu_linear.has_native_bf16():
         pytest.skip("oneDNN runs no native bf16 matmul on this CPU")
-    if zen4 and not cpu_kernels.has_bf16_gemm():
+    if host != "other" and not cpu_kernels.has_bf16_gemm():
         pytest.skip("this CPU has no AVX512_BF16")
+    zen4, zen5 = host == "zen4", host == "zen5"
     monkeypatch.setattr(cpu_linear, "is_amd_zen4", lambda: zen4)
+    monkeypatch.setattr(cpu_linear, "is_amd_zen5", lambda: zen5)
     torch.manual_seed(0)
     model = nn.Sequential(
         nn.Linear(64, 96), nn.Linear(96, MAX_OWN_GEMM_FEATURES + 1, bias=False)
@@ -142,6 +144,7 @@ def test_packed_linear_takes_the_bf16_gemm_for_decode_rows_on_zen4(zen4, monkeyp
     assert cpu_linear.pack_linear_layers(model) == 2
     first, head = model[0], model[1]
     assert (first.bf16_weight is not None) == zen4 and (head.bf16_weight is not None) == zen4
+    assert first.own_bf16_gemm == zen5 and head.own_bf16_gemm == zen5
     real, used = cpu_kernels.linear_bf16, []
 
     def spy(x, packed, *args):  # the real kernel, noting which layer's copy it read
@@ -154,6 +157,8 @@ def test_packed_linear_takes_the_bf16_gemm_for_decode_rows_on_zen4(zen4, monkeyp
         got = model(x[:rows]).double()
         torch.testing.assert_close(got, want[:rows], rtol=0.05, atol=0.05)
         expected = []
+        if zen5:
+            expected = [first.packed_weight, head.packed_weight]
         if zen4 and rows <= BF16_DECODE_ROWS:
             expected.append(first.bf16_weight)
         if zen4 and rows <= BF16_WIDE_ROWS:
