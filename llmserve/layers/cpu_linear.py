@@ -24,6 +24,12 @@ weight packed once skips that. Two kernels:
   process, three alternated rounds against oneDNN: q|k|v 1.4x at 4 rows, 1.3x at 16, 1.0-1.04x
   at 64-128; o 2x, 1.4x, 1.2x, 1.05x; gate|up 1.2x, 1.0x, 0.95-1.0x, 0.97x; down 1.5x, 1.3x,
   1.3x, 1.2x. The LM head stays with oneDNN from 3 rows (0.93x at 64 and 128).
+  On AMD Zen 5 calls of up to ``FP32_DECODE_ROWS`` rows take the weight panel by panel too
+  (``whole_panel_rows``), which reads each panel once for all rows: at 64 rows q|k|v / o /
+  gate|up / down 165 / 100 / 513 / 266 us against 172 / 105 / 561 / 317 slice by slice, at
+  128 301 / 182 / 940 / 501 against 315 / 209 / 1037 / 512 (``fp32_linear``, 30 copies); in
+  the engine, text2sql 64 x 64 fp32 525-528 tok/s against 495-512, random 256/128 432-446
+  against 424-426 (two alternated rounds). Prompt-sized calls stay slice by slice.
 - otherwise oneDNN's blocked layout (1.3-2x ``F.linear``); bf16 weights are packed only where
   oneDNN runs bf16 natively (AVX512_BF16 or AMX; fp32 accumulation inside).
 - bf16 on AMD Zen 4: decode-sized calls take ``kernels.cpu.linear_bf16`` (gemm_bf16.cpp,
@@ -99,6 +105,13 @@ def own_fp32_decode_rows(out_features: int) -> int:
     return FP32_DECODE_ROWS if out_features <= MAX_OWN_GEMM_FEATURES else GEMV_ROWS
 
 
+def whole_panel_rows() -> int:
+    """Up to how many rows llmserve's fp32 GEMM takes its weight panel by panel where it is the
+    layer's only kernel (``own_gemm_is_faster``; 0: slice by slice at every size): on AMD Zen
+    5, ``FP32_DECODE_ROWS`` (see the module docstring)."""
+    return FP32_DECODE_ROWS if is_amd_zen5() else 0
+
+
 def own_bf16_gemm_is_faster(in_features: int) -> bool:
     """Whether llmserve's bf16 GEMM beats oneDNN at every row count here, so that a bf16
     layer keeps only the copy packed for ours: on AMD Zen 5 (see the module docstring)."""
@@ -127,6 +140,7 @@ class PackedLinear(nn.Module):
         fp32, bf16 = weight.dtype == torch.float32, weight.dtype == torch.bfloat16
         self.own_gemm = fp32 and own_gemm_is_faster(self.out_features)
         self.own_bf16_gemm = bf16 and own_bf16_gemm_is_faster(self.in_features)
+        self.panel_rows = whole_panel_rows() if self.own_gemm else 0
         if self.own_gemm:
             self.packed_weight = cpu_kernels.linear_f32_pack(weight)
         elif self.own_bf16_gemm:
@@ -146,7 +160,10 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.own_gemm:
-            return cpu_kernels.linear_f32(x, self.packed_weight, self.out_features, self.bias)
+            whole = x.numel() <= self.panel_rows * self.in_features
+            return cpu_kernels.linear_f32(
+                x, self.packed_weight, self.out_features, self.bias, whole_panels=whole
+            )
         if self.own_bf16_gemm:  # a bf16 model's activations are bf16
             return cpu_kernels.linear_bf16(x, self.packed_weight, self.out_features, self.bias)
         if self.f32_weight is not None and x.numel() <= self.f32_rows * self.in_features:

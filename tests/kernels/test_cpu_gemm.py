@@ -162,6 +162,32 @@ def test_packed_linear_uses_own_gemm_for_fp32_and_the_lm_head_kernel_of_the_isa(
                 assert [id(w) for w in weights_used] == [id(w) for w in expected]
 
 
+@pytest.mark.parametrize("zen5", [False, True])
+def test_zen5_takes_decode_sized_calls_panel_by_panel(zen5, monkeypatch):
+    """Where llmserve's fp32 GEMM is a layer's only kernel, AMD Zen 5 runs calls of up to
+    FP32_DECODE_ROWS rows panel by panel (whole_panels) and larger ones slice by slice; other
+    hosts slice by slice throughout. Either order computes the same product."""
+    monkeypatch.setattr(cpu_linear, "is_amd_zen4", lambda: False)
+    monkeypatch.setattr(cpu_linear, "is_amd_zen5", lambda: zen5)
+    torch.manual_seed(0)
+    layer = nn.Linear(64, 96)
+    x = torch.randn(FP32_DECODE_ROWS + 1, 64)
+    want = layer(x)
+    packed = PackedLinear(layer, 64)
+    if not packed.own_gemm:
+        pytest.skip("llmserve's fp32 GEMM does not build here")
+    real_linear_f32, orders = cpu_kernels.linear_f32, []
+
+    def spy(*args, whole_panels=False):
+        orders.append(whole_panels)
+        return real_linear_f32(*args, whole_panels=whole_panels)
+
+    monkeypatch.setattr(cpu_kernels, "linear_f32", spy)
+    for rows in (1, FP32_DECODE_ROWS, FP32_DECODE_ROWS + 1):
+        torch.testing.assert_close(packed(x[:rows]), want[:rows], rtol=1e-4, atol=1e-4)
+    assert orders == [zen5, zen5, False]
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise is Linux's")
 @pytest.mark.parametrize("zen4", [False, True])
 def test_copies_for_our_gemm_sit_in_huge_pages(zen4, monkeypatch):
