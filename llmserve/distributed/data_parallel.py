@@ -28,6 +28,7 @@ from llmserve.engine.async_engine import (
     EngineListeners,
     EngineSnapshot,
     RequestStream,
+    stream_outputs,
 )
 from llmserve.engine.async_engine import ReplicaDiedError as ReplicaDiedError
 from llmserve.engine.frontend import EngineFrontend
@@ -195,14 +196,8 @@ class DataParallelEngine:
         self._requests[request_id] = (replica, task)
         return stream
 
-    async def generate(self, request_id: str, prompt, params: SamplingParams, priority: int = 0):
-        stream = await self.add_request(request_id, prompt, params, priority)
-        try:
-            while not stream.is_finished:
-                yield await stream.get()
-        finally:
-            if not stream.is_finished:
-                self.abort(request_id)
+    def generate(self, request_id: str, prompt, params: SamplingParams, priority: int = 0):
+        return stream_outputs(self, request_id, prompt, params, priority)
 
     def abort(self, request_id: str) -> None:
         entry = self._requests.get(request_id)
@@ -230,8 +225,7 @@ class DataParallelEngine:
                 output: RequestOutput = await self._unwrap(replica, _next(outputs))
                 stream.put(output)
                 if output.finished:
-                    for callback in self.listeners.on_finish:
-                        callback(output)
+                    self.listeners.notify_finish(output)
         except StopAsyncIteration:
             pass
         except Exception as e:

@@ -29,6 +29,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from llmserve.engine.llm_engine import LLMEngine, PromptType
 from llmserve.outputs import RequestOutput
@@ -79,6 +80,14 @@ class EngineListeners:
 
     on_step: list[Callable[[int], None]] = field(default_factory=list)
     on_finish: list[Callable[[RequestOutput], None]] = field(default_factory=list)
+
+    def notify_finish(self, output: RequestOutput) -> None:
+        """Run every ``on_finish`` callback; one that fails is logged, the others still run."""
+        for callback in self.on_finish:
+            try:
+                callback(output)
+            except Exception:
+                logger.exception("on_finish listener failed")
 
 
 class RequestStream:
@@ -201,7 +210,7 @@ class AsyncLLMEngine:
             raise
         return stream
 
-    async def generate(
+    def generate(
         self,
         request_id: str,
         prompt: PromptType,
@@ -210,26 +219,14 @@ class AsyncLLMEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's cumulative outputs; closing the generator early aborts the
         request (wrap it in ``contextlib.aclosing`` to close it on ``break``)."""
-        stream = await self.add_request(request_id, prompt, params, priority)
-        try:
-            while not stream.is_finished:
-                yield await stream.get()
-        finally:
-            if not stream.is_finished:
-                self.abort(request_id)
+        return stream_outputs(self, request_id, prompt, params, priority)
 
     def abort(self, request_id: str) -> None:
         """Abort a request from any thread; its blocks are freed before the next step."""
         self._commands.put(lambda: self._abort(request_id, deliver=False))
 
     def _check_can_add(self) -> None:
-        if not self._is_accepting or not self.is_alive:
-            raise EngineClosedError("the server is shutting down and takes no new requests")
-        if self.max_num_waiting is not None and self.num_waiting >= self.max_num_waiting:
-            raise EngineOverloadedError(
-                f"{self.num_waiting} requests are waiting already (--max-num-waiting "
-                f"{self.max_num_waiting}); retry later"
-            )
+        check_can_add(self._is_accepting and self.is_alive, self.num_waiting, self.max_num_waiting)
 
     # ---- engine thread ------------------------------------------------------------------
     def _run(self) -> None:
@@ -290,7 +287,7 @@ class AsyncLLMEngine:
         if not outputs or stream is None:
             return
         output = outputs[0]
-        self._notify_finish(output)
+        self.listeners.notify_finish(output)
         if deliver:
             self._deliver([(stream, output)])
 
@@ -319,7 +316,7 @@ class AsyncLLMEngine:
                 continue
             if output.finished:
                 del self._streams[output.request_id]
-                self._notify_finish(output)
+                self.listeners.notify_finish(output)
             ready.append((stream, output))
         self._deliver(ready)
 
@@ -337,13 +334,6 @@ class AsyncLLMEngine:
         if items and self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(_put_all, items)
 
-    def _notify_finish(self, output: RequestOutput) -> None:
-        for callback in self.listeners.on_finish:
-            try:
-                callback(output)
-            except Exception:
-                logger.exception("on_finish listener failed")
-
     def _take_snapshot(self) -> None:
         engine = self.engine
         scheduler, blocks = engine.scheduler, engine.block_manager
@@ -359,6 +349,31 @@ class AsyncLLMEngine:
             num_steps=engine.stats.num_steps,
             max_batched_seqs=engine.stats.max_batched_seqs,
             spec_decode=copy.deepcopy(engine.spec_stats),
+        )
+
+
+async def stream_outputs(
+    engine: Any, request_id: str, prompt: PromptType, params: SamplingParams, priority: int
+) -> AsyncIterator[RequestOutput]:
+    """``generate`` of every engine the server drives (this one, the engine-core client, the
+    data-parallel router): add the request, yield its outputs, abort it if closed early."""
+    stream = await engine.add_request(request_id, prompt, params, priority)
+    try:
+        while not stream.is_finished:
+            yield await stream.get()
+    finally:
+        if not stream.is_finished:
+            engine.abort(request_id)
+
+
+def check_can_add(is_open: bool, num_waiting: int, max_num_waiting: int | None) -> None:
+    """Refuse a new request while the engine is closed or too many requests wait."""
+    if not is_open:
+        raise EngineClosedError("the server is shutting down and takes no new requests")
+    if max_num_waiting is not None and num_waiting >= max_num_waiting:
+        raise EngineOverloadedError(
+            f"{num_waiting} requests are waiting already (--max-num-waiting "
+            f"{max_num_waiting}); retry later"
         )
 
 

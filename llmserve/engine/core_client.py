@@ -25,10 +25,11 @@ from typing import Any
 from llmserve.engine.async_engine import (
     EngineClosedError,
     EngineListeners,
-    EngineOverloadedError,
     EngineSnapshot,
     EngineStepError,
     RequestStream,
+    check_can_add,
+    stream_outputs,
 )
 from llmserve.engine.core_process import run_engine_core
 from llmserve.engine.frontend import EngineFrontend
@@ -149,17 +150,11 @@ class EngineCoreClient:
             self._adding.pop(request_id, None)
         return stream
 
-    async def generate(
+    def generate(
         self, request_id: str, prompt, params: SamplingParams, priority: int = 0
     ) -> AsyncIterator[RequestOutput]:
         """``AsyncLLMEngine.generate``: the request's cumulative outputs."""
-        stream = await self.add_request(request_id, prompt, params, priority)
-        try:
-            while not stream.is_finished:
-                yield await stream.get()
-        finally:
-            if not stream.is_finished:
-                self.abort(request_id)
+        return stream_outputs(self, request_id, prompt, params, priority)
 
     def abort(self, request_id: str) -> None:
         """Abort a request; its final output still comes back (for the metrics)."""
@@ -172,13 +167,7 @@ class EngineCoreClient:
                 f"the engine-core process exited (code {self._process.exitcode}); the server "
                 "takes no requests until it is restarted"
             )
-        if not self._is_accepting or not self.is_alive:
-            raise EngineClosedError("the server is shutting down and takes no new requests")
-        if self.max_num_waiting is not None and self.num_waiting >= self.max_num_waiting:
-            raise EngineOverloadedError(
-                f"{self.num_waiting} requests are waiting already (--max-num-waiting "
-                f"{self.max_num_waiting}); retry later"
-            )
+        check_can_add(self._is_accepting and self.is_alive, self.num_waiting, self.max_num_waiting)
 
     # ---- the pipe's threads -------------------------------------------------------------
     def _write(self) -> None:
@@ -238,16 +227,9 @@ class EngineCoreClient:
                 self._streams.pop(rid, None)
             elif item.finished:
                 self._streams.pop(rid, None)
-                self._notify_finish(item)
+                self.listeners.notify_finish(item)
             if stream is not None:
                 stream.put(item)
-
-    def _notify_finish(self, output: RequestOutput) -> None:
-        for callback in self.listeners.on_finish:
-            try:
-                callback(output)
-            except Exception:
-                logger.exception("on_finish listener failed")
 
     def _on_core_exit(self) -> None:
         """The pipe closed: after "stop", or because the core process died."""
