@@ -1,9 +1,9 @@
 """What Linux's /proc/cpuinfo says about this CPU, read once (torch-free).
 
 Several choices depend on the host: which kernels AVX-512 or AVX512_BF16 unlocks, where
-llmserve's own GEMMs beat oneDNN (AMD Zen 4), whether ``auto`` pins the compute threads (not
-on Intel), and the CPU's name in every benchmark report. They all read it here. Off Linux the
-fields are empty, so each rule falls back to its portable default.
+llmserve's own GEMMs beat oneDNN (AMD Zen 4 and Zen 5), whether ``auto`` pins the compute
+threads (not on Intel), and the CPU's name in every benchmark report. They all read it here.
+Off Linux the fields are empty, so each rule falls back to its portable default.
 """
 
 from __future__ import annotations
@@ -42,21 +42,21 @@ def is_amd_zen4() -> bool:
     return fields_are_amd_zen4(cpu_fields())
 
 
+def is_amd_zen5() -> bool:
+    """Whether this CPU is an AMD Zen 5 (False off Linux)."""
+    return _is_amd_avx512(cpu_fields(), family="26")
+
+
 def fields_are_amd_zen4(fields: dict[str, str]) -> bool:
     """AMD family 19h with AVX-512: Zen 4 (Zen 3 is family 19h without it, Zen 5 is 1Ah)."""
-    return (
-        fields.get("vendor_id") == "AuthenticAMD"
-        and fields.get("cpu family") == "25"
-        and "avx512f" in fields.get("flags", "").split()
-    )
+    return _is_amd_avx512(fields, family="25")
 
 
-def is_amd_zen5() -> bool:
-    """Whether this CPU is an AMD Zen 5 (family 1Ah with AVX-512; False off Linux)."""
-    fields = cpu_fields()
+def _is_amd_avx512(fields: dict[str, str], family: str) -> bool:
+    """An AMD CPU of this family (decimal, as Linux lists it) with AVX-512."""
     return (
         fields.get("vendor_id") == "AuthenticAMD"
-        and fields.get("cpu family") == "26"
+        and fields.get("cpu family") == family
         and "avx512f" in fields.get("flags", "").split()
     )
 

@@ -200,9 +200,7 @@ class AsyncLLMEngine:
         stream = RequestStream(request_id)
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
         arrival_time = time.monotonic()
-        with self._lock:
-            self._num_pending_adds += 1
-        self._commands.put(lambda: self._add(stream, prompt, params, priority, arrival_time, done))
+        self._submit_add(stream, prompt, params, priority, arrival_time, done)
         try:
             await asyncio.wrap_future(done)
         except asyncio.CancelledError:
@@ -256,6 +254,13 @@ class AsyncLLMEngine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
+
+    def _submit_add(self, *add_args: Any) -> None:
+        """Count an add as pending and queue ``_add(*add_args)`` for the engine thread (from
+        any thread)."""
+        with self._lock:
+            self._num_pending_adds += 1
+        self._commands.put(lambda: self._add(*add_args))
 
     def _add(
         self,

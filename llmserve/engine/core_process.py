@@ -15,7 +15,7 @@ In one process the HTTP handlers and the engine share the GIL: a streamed chunk 
 loop writes can make the engine thread wait for the GIL between two kernels. Here the
 server's CPU time only competes for the cores. Measured on a 2-core AMD Zen 5 host (bf16,
 64 requests of 256/128 at once, docs/benchmarks.md), that made no difference to throughput:
-the server's decode steps ran 8-15% longer than the same steps offline in either design, so
+the server's decode steps ran 7-19% longer than the same steps offline in either design, so
 the GIL is not what slows them there; the thread stays the default. A core that crashes
 leaves the HTTP server up (/health answers 503), and the server's Python never pauses the
 engine's.
@@ -105,10 +105,8 @@ class EngineCore(AsyncLLMEngine):
         done.add_done_callback(lambda f: self._send(("added", request_id, _error_of(f))))
         if params.use_beam_search:
             self._beams.add(request_id)
-        with self._lock:
-            self._num_pending_adds += 1
         stream = RequestStream(request_id)  # a key only: outputs go to the pipe
-        self._commands.put(lambda: self._add(stream, prompt, params, priority, arrival, done))
+        self._submit_add(stream, prompt, params, priority, arrival, done)
 
     # ---- the loop's hand-offs, to the pipe instead of an event loop -------------------------
     def _abort(self, request_id: str, deliver: bool) -> None:

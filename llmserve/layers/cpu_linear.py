@@ -127,7 +127,7 @@ def own_bf16_gemm_rows(out_features: int, in_features: int) -> int:
 
 
 class PackedLinear(nn.Module):
-    """``y = x @ W^T + b`` with ``W`` prepacked for llmserve's fp32 GEMM or oneDNN
+    """``y = x @ W^T + b`` with ``W`` prepacked for llmserve's fp32 or bf16 GEMM or oneDNN
     (inference only)."""
 
     OWN_WEIGHTS = ("packed_weight", "f32_weight", "bf16_weight")  # oneDNN's are opaque: stay
