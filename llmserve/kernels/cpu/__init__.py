@@ -106,6 +106,12 @@ def current_isa() -> str:
     return _ops().set_isa("")
 
 
+def amd_family() -> int:
+    """This CPU's family as the kernels read it from cpuid, where the vendor is AMD (25: Zen
+    3 and 4, 26: Zen 5); 0 elsewhere. Some kernels choose how they prefetch by it."""
+    return _direct().amd_family()
+
+
 def supported_isas() -> list[str]:
     """Every path this CPU can run, best first (``avx2_w16``, a test path, after ``avx2``)."""
     current, supported = current_isa(), []

@@ -13,6 +13,9 @@
 #include <ATen/ATen.h>
 
 #include <string>
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <cpuid.h>
+#endif
 
 namespace llmserve {
 
@@ -43,6 +46,22 @@ inline bool cpu_is_amd() {
   return amd;
 #else
   return false;
+#endif
+}
+
+// An AMD CPU's family (cpuid leaf 1: base + extended family; 0x19 Zen 3/4, 0x1A Zen 5); 0 on
+// other vendors and architectures
+inline unsigned amd_family() {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  static const unsigned family = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!cpu_is_amd() || !__get_cpuid(1, &a, &b, &c, &d)) return 0u;
+    const unsigned base = (a >> 8) & 0xF;
+    return base == 0xF ? base + ((a >> 20) & 0xFF) : base;
+  }();
+  return family;
+#else
+  return 0;
 #endif
 }
 

@@ -353,6 +353,7 @@ void llmserve_bind_paged_attention(pybind11::module_& m) {
   m.def("paged_decode_attention", &paged_decode_attention, ReleaseGil());
   m.def("decode_attention", &decode_attention, ReleaseGil());
   m.def("paged_attention", &paged_attention, ReleaseGil());
+  m.def("amd_family", &llmserve::amd_family);
 }
 
 TORCH_LIBRARY(llmserve_cpu, m) {
