@@ -38,6 +38,25 @@ inline void parallel_take(int64_t n, int64_t grain, const F& f) {
   parallel_take(n, grain, [] { return 0; }, [&](int, int64_t b, int64_t e) { f(b, e); });
 }
 
+// f(begin, end, next) for chunks [begin, end) of [0, n) as parallel_take hands them out, but
+// each thread claims its next chunk before it works on the current one, so f knows where
+// that thread reads next (``next``: the next chunk's begin, or -1 where there is none)
+template <typename F>
+inline void parallel_take_ahead(int64_t n, int64_t grain, const F& f) {
+  if (n <= 0) return;
+  grain = std::max<int64_t>(grain, 1);
+  const int64_t chunks = (n + grain - 1) / grain;
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), chunks);
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t c = next++; c < chunks;) {
+      const int64_t after = next++;
+      f(c * grain, std::min(n, (c + 1) * grain), after < chunks ? after * grain : -1);
+      c = after;
+    }
+  });
+}
+
 // the grain that gives each of torch's threads about ``per_thread`` chunks of [0, n)
 inline int64_t grain_for(int64_t n, int64_t per_thread) {
   return std::max<int64_t>(1, n / (std::max<int64_t>(at::get_num_threads(), 1) * per_thread));
