@@ -213,7 +213,7 @@ void attend_chunk(const Shape& sh, const T* k_cache, const T* v_cache, const int
                                         ::llmserve::amd_family() != 0x1A);
   const int64_t block_bytes = bs * row_bytes;
   Ahead k_ahead, v_ahead;  // left empty on Intel: step() then asks for nothing
-  k_ahead.into_l2 = v_ahead.into_l2 = spread && burst;  // AMD with AVX-512
+  k_ahead.into_l2 = v_ahead.into_l2 = spread && burst;  // AMD Zen 4
   // before block b0 (of the step [s0, s0 + sn)) of the K pass (is_k) or the V pass
   auto ask_ahead = [&](bool is_k, int64_t b0, int64_t s0, int64_t sn) {
     if (!ask) return;
