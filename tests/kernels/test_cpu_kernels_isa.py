@@ -18,7 +18,7 @@ import torch
 from kernel_testing import make_paged_batch, tolerance
 from torch.nn import functional as F
 
-from llmserve.cpuinfo import cpu_flags, cpuinfo_fields
+from llmserve.cpuinfo import cpu_fields, cpu_flags
 from llmserve.kernels import cpu as cpu_kernels
 from llmserve.kernels.reference import ref_paged_attention
 from llmserve.layers.rotary import RotaryEmbedding
@@ -339,6 +339,6 @@ def test_auto_takes_the_best_path_this_cpu_has_never_the_test_path():
 def test_kernels_read_the_amd_family_linux_lists():
     """attend_chunk picks its prefetch scheme by this family (Zen 5: 26): cpuid's reading
     must agree with /proc/cpuinfo's, and be 0 on other vendors."""
-    fields = cpuinfo_fields(open("/proc/cpuinfo").read())
+    fields = cpu_fields()
     expected = int(fields["cpu family"]) if fields.get("vendor_id") == "AuthenticAMD" else 0
     assert cpu_kernels.amd_family() == expected

@@ -107,8 +107,8 @@ void linear_rows(const uint32_t* x, int64_t K2, const uint16_t* packed, const fl
   for (int64_t p = pb; p < pe; ++p) {
     const uint16_t* panel = packed + p * K2 * 2 * kPanel;
     const int64_t ahead_p = p + 1 < pe ? p + 1 : next_pb;
-    const char* ahead =
-        ahead_p >= 0 ? reinterpret_cast<const char*>(packed + ahead_p * K2 * 2 * kPanel) : nullptr;
+    const uint16_t* ahead_panel = ahead_p >= 0 ? packed + ahead_p * K2 * 2 * kPanel : nullptr;
+    const char* ahead = reinterpret_cast<const char*>(ahead_panel);
     const int64_t ahead_pairs = ahead == nullptr ? 0 : K2;
     for (int64_t t = 0; t < tiles; ++t) {
       const int64_t m = m0 + t * kTileRows;

@@ -161,16 +161,16 @@ inline void gemm_panels_outer(const float* x, int64_t K, const float* packed, in
 // (AVX-512), the default model's four layer shapes, 30 weight copies (from memory), one
 // process, three alternated rounds against gemm_panels: M = 64 1.05-1.41x (179-197 GFLOP/s,
 // the host's fp32 peak is about 205), 32 1.28-1.35x, 8-16 1.1-1.4x, 128 1.05-1.15x; oneDNN
-// there 167-190 at 64. Not measured on AVX2 or Zen 5 / Intel: a choice of the caller's
-// (linear_f32's whole_panels). The sums over k run in the same order: identical results.
+// there 167-190 at 64. Zen 5 takes it too (cpu_linear's whole_panel_rows, measured there);
+// AVX2 and Intel hosts are not measured: a choice of the caller's (linear_f32's
+// whole_panels). The sums over k run in the same order: identical results.
 inline void gemm_panels_whole(const float* x, int64_t K, const float* packed, float* y,
                               int64_t ldy, const float* bias, int64_t M, int64_t pb, int64_t pe,
                               int64_t next_pb) {
   for (int64_t p = pb; p < pe; ++p) {
     const float* w = packed + p * K * kPanel;
-    const float* ahead = p + 1 < pe ? w + K * kPanel
-                         : next_pb >= 0 ? packed + next_pb * K * kPanel
-                                        : nullptr;
+    const int64_t ahead_p = p + 1 < pe ? p + 1 : next_pb;
+    const float* ahead = ahead_p >= 0 ? packed + ahead_p * K * kPanel : nullptr;
     gemm_rows(x, K, w, K, y + p * kPanel, ldy, 0, M, true,
               bias == nullptr ? nullptr : bias + p * kPanel, ahead, K);
   }
