@@ -63,6 +63,31 @@ def test_greedy_is_argmax_also_beside_random_rows():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpp_greedy_takes_the_same_tokens_as_torch(dtype):
+    """``Sampler("cpp")``: greedy rows by the C++ argmax (skip where it is not built), in the
+    logits' own dtype, with and without rows that bias or draw beside them."""
+    from llmserve.kernels import cpu as cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.skip("the C++ CPU kernels are not built here")
+    logits = (torch.randn(9, 3000) * 4).round().to(dtype)  # ties: the first index wins
+    greedy_rows = [make_row(SamplingParams(temperature=0.0, logprobs=2))] * 9
+    out = Sampler("cpp")(logits, greedy_rows)
+    assert out.sampled_token_ids == logits.float().max(dim=-1).indices.tolist()
+    assert out.logprobs == Sampler()(logits, greedy_rows).logprobs
+    assert torch.equal(greedy(logits, "cpp"), logits.max(dim=-1).indices)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=3)] * 4
+    params.append(SamplingParams(temperature=0.0, logit_bias={7: 100.0}))
+    mixed = [make_row(p) for p in params]
+    fresh = [make_row(p) for p in params]  # seeded rows draw again from the same seed
+    assert (
+        Sampler("cpp")(logits, mixed).sampled_token_ids
+        == Sampler()(logits, fresh).sampled_token_ids
+    )
+    assert Sampler("cpp")(logits[:1], [make_row(params[-1])]).sampled_token_ids == [7]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_logits_are_sampled_in_any_dtype_and_left_unmodified(dtype):
     logits = torch.randn(3, 64).to(dtype)  # [rows, vocab]
     before = logits.clone()

@@ -59,7 +59,7 @@ class ModelRunner:
         self.device = device
         self.eos_token_id = eos_token_id
         self.attention_backend = attention_backend
-        self.sampler = Sampler()
+        self.sampler = Sampler("cpp" if attention_backend == "cpp" else "torch")
         self.generators: dict[int, torch.Generator] = {}
         self.cuda_graphs = cuda_graphs  # decode-only steps replay a captured graph (CUDA)
         self.drafter = drafter  # speculative decoding with a draft model
@@ -158,7 +158,7 @@ class ModelRunner:
                 grammars.append(target.grammar)
         if len(rows) != len(sampling):
             logits = logits[torch.tensor(row_of, device=logits.device)]  # forks: one row per child
-        logits = apply_grammar_masks(logits.float(), grammars)  # structured output
+        logits = apply_grammar_masks(logits, grammars)  # structured output
         result = self.sampler(logits, rows)
         k = 0
         for item in sampling:  # a fork step samples one row per child: num_samples rows

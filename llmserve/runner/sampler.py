@@ -23,6 +23,7 @@ from itertools import chain
 
 import torch
 
+from llmserve.kernels import cpu as cpu_kernels
 from llmserve.sampling_params import SamplingParams
 
 _TINY = torch.finfo(torch.float32).tiny
@@ -49,15 +50,31 @@ class SamplerOutput:
 
 
 class Sampler:
-    """Samples one token per row of logits; the stages are in the module docstring."""
+    """Samples one token per row of logits; the stages are in the module docstring.
+    ``kernels="cpp"``: greedy rows on the CPU take the C++ argmax (``greedy``)."""
+
+    def __init__(self, kernels: str = "torch") -> None:
+        self.kernels = kernels
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (logits.shape, len(rows))
         raw_logits = logits  # [num_rows, vocab_size]
-        logits = penalized_logits(logits, rows)
-        sampled = _sample(logits, rows)  # [num_rows] int64
+        if all(row.params.is_greedy and not adjusts_logits(row) for row in rows):
+            sampled = greedy(logits, self.kernels)  # no fp32 copy: widening keeps the order
+        else:
+            sampled = _sample(penalized_logits(logits, rows), rows, self.kernels)  # [num_rows]
         logprobs = _sampled_logprobs(raw_logits, rows, sampled)
         return SamplerOutput(sampled_token_ids=sampled.tolist(), logprobs=logprobs)
+
+
+def adjusts_logits(row: SamplingRow) -> bool:
+    """Whether logit_bias, the min_tokens mask or a penalty may change this row's logits."""
+    params = row.params
+    return (
+        bool(params.logit_bias)
+        or len(row.output_token_ids) < params.min_tokens
+        or params.needs_output_penalties
+    )
 
 
 def penalized_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -206,23 +223,30 @@ def token_counts(token_ids: list[list[int]], vocab_size: int, device: torch.devi
     return counts.index_put_((row_ids.to(device), flat_ids), ones, accumulate=True)
 
 
-def greedy(logits: torch.Tensor) -> torch.Tensor:
-    """[rows] int64: the first index of each row's largest logit, as ``argmax``. ``max``'s
-    indices are the same (first index on ties, documented) and on CPU 2.3x faster
-    ([64, 49152] fp32: 0.87 against 2.0 ms, on 2 cores), a step's whole sampling at batch 64."""
+def greedy(logits: torch.Tensor, kernels: str = "torch") -> torch.Tensor:
+    """[rows] int64: the first index of each row's largest logit, as ``argmax`` (a NaN counts
+    as the largest). With ``kernels="cpp"``, fp32 or bf16 logits on the CPU take the C++
+    ``argmax_rows``: [64, 49152] in 0.11 ms, fp32 or bf16, against torch's 0.78 (fp32) and
+    1.24 (bf16, with its fp32 copy) on 2 Zen 5 cores. Else ``max``'s indices: the same first
+    index on ties (documented), and on the CPU 2.3x faster than ``argmax``."""
+    if kernels == "cpp" and logits.device.type == "cpu" and logits.dtype in _KERNEL_DTYPES:
+        return cpu_kernels.argmax_rows(logits)
     return logits.max(dim=-1).indices
 
 
-def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _sample(logits: torch.Tensor, rows: list[SamplingRow], kernels: str) -> torch.Tensor:
     """[num_rows] int64: argmax for greedy rows, a random draw for the others."""
     random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
     if not random_rows:
-        return greedy(logits)
+        return greedy(logits, kernels)
     if len(random_rows) == len(rows):
         return _random_sample(logits, rows)
     index = _tensor(random_rows, torch.int64, logits.device)  # [num_random]
     sampled = _random_sample(logits[index], [rows[i] for i in random_rows])  # [num_random]
-    return greedy(logits).index_copy(0, index, sampled)
+    return greedy(logits, kernels).index_copy(0, index, sampled)
 
 
 def _random_sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

@@ -21,10 +21,12 @@ def apply_grammar_masks(logits: torch.Tensor, matchers: list[Any | None]) -> tor
 
     One int32 bitmask for the batch (bit ``t`` of a row set: token ``t`` allowed; rows without
     a matcher all ones), the constrained rows filled in parallel by llguidance, then applied in
-    one pass by llguidance's kernel."""
+    one pass by llguidance's kernel, on fp32 logits (a copy of others; fp32 ones in place).
+    Without a matcher ``logits`` come back as they are."""
     rows = [(m, i) for i, m in enumerate(matchers) if m is not None]
     if not rows:
         return logits
+    logits = logits.float()
     from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask_par
     from llguidance.torch import apply_token_bitmask_inplace
 

@@ -304,6 +304,31 @@ def test_rotary_interleaved(isa, dtype):
         torch.testing.assert_close(out.float(), expected, **tol)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("width", [49152, 1000, 300, 256, 37, 1])  # whole blocks and tails
+def test_argmax_rows_matches_torch_max(isa, dtype, width):
+    x = torch.randn(23, width).to(dtype)
+    x[1] = x[1].round()  # many ties: the first index wins
+    x[2] = 0.0
+    x[2, width // 2] = -0.0  # -0 and +0 are equal
+    x[3, width - 1] = x[3].max() + 1  # the largest in the tail
+    x[4] = -float("inf")  # all -inf
+    x[5, width // 3] = float("inf")
+    x[6, width - 1], x[6, width // 4] = float("nan"), 5.0  # a NaN is the largest
+    x[7, width // 5 :] = float("nan")  # the first NaN wins
+    x[8, (width * 2) // 3] = 1e30  # one value far above, inside a later block
+    expected = x.max(dim=-1).indices
+    assert cpu_kernels.argmax_rows(x).tolist() == expected.tolist()
+    assert cpu_kernels.argmax_rows(x[:, :1]).tolist() == [0] * 23
+
+
+def test_argmax_rows_rejects_bad_input():
+    with pytest.raises(RuntimeError, match=r"must be \[rows, n\] with n > 0"):
+        cpu_kernels.argmax_rows(torch.randn(4, 0))
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        cpu_kernels.argmax_rows(torch.randn(4, 8).half())
+
+
 def test_bf16_rounds_to_nearest_even_and_keeps_nan(isa):
     """The vector stores round as torch does: ties to even, NaN stays NaN, overflow is inf."""
     up = (torch.randn(4, 64) * 10).bfloat16()

@@ -10,7 +10,8 @@
                           dispatcher on the per-layer path, the GIL released as each runs:
                           bindings.h); all stay registered as torch ops
     fused.cpp             rms_norm, fused_add_rms_norm_, silu_and_mul, rotary_interleaved:
-                          one pass over memory each (body: fused_impl.h)
+                          one pass over memory each; argmax_rows, greedy sampling's argmax
+                          (body: fused_impl.h)
     gemm.cpp              linear_f32_pack, linear_f32: the fp32 linear on a weight packed at
                           load, streamed front to back (body: gemm_impl.h)
     gemm_bf16.cpp         linear_bf16_pack, linear_bf16: the same for bf16 with vdpbf16ps
@@ -240,6 +241,12 @@ def rotary_interleaved(
     """``x: [T, heads * D]`` (rows may be strided), pairs ``(x[2i], x[2i+1])`` of each head
     rotated by ``cis[position]`` (``[max_pos, D/2, 2]`` cos/sin) -> a new contiguous tensor."""
     return _direct().rotary_interleaved(x, positions, cis, head_dim)
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x [rows, n]`` (n > 0) -> int64 ``[rows]``: each row's first index of its largest value
+    (a NaN counts as the largest), as ``x.max(dim=-1).indices``."""
+    return _direct().argmax_rows(x)
 
 
 def linear_f32_pack(weight: torch.Tensor) -> torch.Tensor:

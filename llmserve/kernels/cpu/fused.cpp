@@ -7,9 +7,12 @@
 //   silu_and_mul(x)                     out = silu(x[:, :d]) * x[:, d:]        [T, 2d] -> [T, d]
 //   rotary_interleaved(x, pos, cis)     pairs (x[2i], x[2i+1]) of every head, rotated by the
 //                                       angle of their position: out = x * (cos + i sin)
+//   argmax_rows(x)                      out[r] = the first index of row r's largest value, as
+//                                       torch.max(x, -1).indices              [R, n] -> [R]
 //
 // The bodies (fused_impl.h) are compiled for AVX-512, AVX2 and plain C++; isa.h picks one at
-// run time. Rows are spread over torch's intra-op threads with at::parallel_for.
+// run time. Rows are spread over torch's intra-op threads with at::parallel_for (argmax_rows:
+// parallel_take, a row per chunk).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -20,10 +23,12 @@
 
 #include "bindings.h"
 #include "isa.h"
+#include "parallel.h"
 #include "vec.h"
 
 namespace {
 constexpr int64_t kGrain = 16;  // rows per task at least: a row is a few microseconds
+constexpr int64_t kArgmaxBlock = 256;  // values a block max covers (argmax_row)
 }  // namespace
 
 #define LLMSERVE_ISA_IMPL "fused_impl.h"
@@ -144,6 +149,21 @@ at::Tensor rotary_interleaved(const at::Tensor& x, const at::Tensor& positions, 
   return out;
 }
 
+at::Tensor argmax_rows(const at::Tensor& x) {
+  check_dtype(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) > 0, "argmax_rows: x must be [rows, n] with n > 0");
+  const at::Tensor xc = x.contiguous();
+  const int64_t rows = xc.size(0), n = xc.size(1);
+  at::Tensor out = at::empty({rows}, xc.options().dtype(at::kLong));
+  int64_t* o = out.data_ptr<int64_t>();
+  if (x.scalar_type() == at::kBFloat16) {
+    LLMSERVE_DISPATCH(argmax_rows(ptr<const bf16>(xc), o, rows, n));
+  } else {
+    LLMSERVE_DISPATCH(argmax_rows(ptr<const float>(xc), o, rows, n));
+  }
+  return out;
+}
+
 }  // namespace
 
 // the same functions for direct calls from Python (kernels_bindings.cpp: no dispatcher on the hot path)
@@ -152,6 +172,7 @@ void llmserve_bind_fused(pybind11::module_& m) {
   m.def("fused_add_rms_norm_", &fused_add_rms_norm_, ReleaseGil());
   m.def("silu_and_mul", &silu_and_mul, ReleaseGil());
   m.def("rotary_interleaved", &rotary_interleaved, ReleaseGil());
+  m.def("argmax_rows", &argmax_rows, ReleaseGil());
 }
 
 TORCH_LIBRARY_FRAGMENT(llmserve_cpu, m) {
@@ -159,8 +180,10 @@ TORCH_LIBRARY_FRAGMENT(llmserve_cpu, m) {
   m.def("fused_add_rms_norm_(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("rotary_interleaved(Tensor x, Tensor positions, Tensor cis, int head_dim) -> Tensor");
+  m.def("argmax_rows(Tensor x) -> Tensor");
   m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);
   m.impl("fused_add_rms_norm_", c10::DispatchKey::CPU, &fused_add_rms_norm_);
   m.impl("silu_and_mul", c10::DispatchKey::CPU, &silu_and_mul);
   m.impl("rotary_interleaved", c10::DispatchKey::CPU, &rotary_interleaved);
+  m.impl("argmax_rows", c10::DispatchKey::CPU, &argmax_rows);
 }

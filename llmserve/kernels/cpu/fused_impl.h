@@ -107,3 +107,63 @@ void rotary_rows(const T* x, int64_t row_stride, const int64_t* positions, const
     }
   });
 }
+
+// The first index of the largest of x[0, n) as torch.max(dim=-1).indices gives it, value by
+// value: a NaN counts as the largest (the first NaN wins), ties go to the first index
+inline bool takes_lead(float v, float best) { return std::isnan(v) || v > best; }
+
+template <typename T>
+int64_t argmax_plain(const T* x, int64_t n) {
+  int64_t index = 0;
+  float best = to_f32(x[0]);
+  for (int64_t i = 1; i < n && !std::isnan(best); ++i) {
+    const float v = to_f32(x[i]);
+    if (takes_lead(v, best)) best = v, index = i;
+  }
+  return index;
+}
+
+// The same, faster for finite values: the max of each block of kArgmaxBlock values in
+// vectors, then value by value inside the first block that holds the row's max (x == best
+// finds -0 and +0 alike, as torch's tie rule does). A row with an infinity or a NaN anywhere
+// (v * 0 is NaN exactly there) is done again by argmax_plain.
+template <typename T>
+int64_t argmax_row(const T* x, int64_t n) {
+  constexpr int64_t W = Vec::W;
+  constexpr int64_t kBlock = kArgmaxBlock;
+  static_assert(kBlock % (2 * W) == 0, "a block is whole pairs of vectors");
+  const Vec zero = Vec::zero();
+  Vec nonfinite = zero;  // sums v * 0: NaN once any v is an infinity or a NaN
+  float best = -INFINITY;
+  int64_t best_at = -1;  // where the block with the largest max begins, or the tail's index
+  int64_t i = 0;
+  for (; i + kBlock <= n; i += kBlock) {
+    Vec m0 = Vec::load(x + i), m1 = Vec::load(x + i + W);
+    nonfinite = Vec::fma(m0, zero, Vec::fma(m1, zero, nonfinite));
+    for (int64_t j = i + 2 * W; j < i + kBlock; j += 2 * W) {
+      const Vec a = Vec::load(x + j), b = Vec::load(x + j + W);
+      m0 = Vec::max(m0, a), m1 = Vec::max(m1, b);
+      nonfinite = Vec::fma(a, zero, Vec::fma(b, zero, nonfinite));
+    }
+    const float block_max = Vec::reduce_max(Vec::max(m0, m1));
+    if (block_max > best) best = block_max, best_at = i;
+  }
+  bool in_tail = false;
+  for (; i < n; ++i) {
+    const float v = to_f32(x[i]);
+    if (!std::isfinite(v)) return argmax_plain(x, n);
+    if (v > best) best = v, best_at = i, in_tail = true;
+  }
+  if (std::isnan(Vec::reduce_add(nonfinite))) return argmax_plain(x, n);
+  if (in_tail) return best_at;
+  while (to_f32(x[best_at]) != best) ++best_at;
+  return best_at;
+}
+
+// out[r] = argmax_row of row r of x [rows, n]; rows are taken as threads come free
+template <typename T>
+void argmax_rows(const T* x, int64_t* out, int64_t rows, int64_t n) {
+  llmserve::parallel_take(rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) out[r] = argmax_row(x + r * n, n);
+  });
+}
