@@ -10,7 +10,9 @@ import torch
 from llmserve.runner.sampler import (
     Sampler,
     SamplingRow,
+    _top_k_top_p_sorted,
     apply_penalties,
+    apply_top_k_top_p,
     compute_prompt_logprobs,
     greedy,
 )
@@ -35,11 +37,24 @@ def make_row(
     )
 
 
-def sample_many(logits_row: torch.Tensor, params: SamplingParams, num: int) -> torch.Tensor:
+def sample_many(
+    logits_row: torch.Tensor, params: SamplingParams, num: int, kernels: str = "torch"
+) -> torch.Tensor:
     """[num] sampled ids: the same row of logits repeated num times in one batch."""
     logits = logits_row.expand(num, -1)  # [num, vocab]
-    out = Sampler()(logits, [make_row(params) for _ in range(num)])
+    out = Sampler(kernels)(logits, [make_row(params) for _ in range(num)])
     return torch.tensor(out.sampled_token_ids)
+
+
+def needs_cpp(kernels: str) -> None:
+    """Skip a ``kernels="cpp"`` case where the C++ CPU kernels are not built."""
+    from llmserve.kernels import cpu as cpu_kernels
+
+    if kernels == "cpp" and not cpu_kernels.available():
+        pytest.skip("the C++ CPU kernels are not built here")
+
+
+KERNELS = ["torch", "cpp"]
 
 
 def logits_from_probs(probs: list[float]) -> torch.Tensor:
@@ -103,32 +118,42 @@ def test_logits_are_sampled_in_any_dtype_and_left_unmodified(dtype):
     assert torch.equal(logits, before)
 
 
-def run_seeded(seed: int, position: int, others: list[SamplingParams], steps: int = 12):
+def run_seeded(
+    seed: int,
+    position: int,
+    others: list[SamplingParams],
+    steps: int = 12,
+    top_p: float = 0.95,
+    kernels: str = "torch",
+):
     """Tokens of one seeded row over several steps, at `position` among `others`."""
     vocab = 1000
     target_logits = torch.randn(vocab, generator=torch.Generator().manual_seed(99)) * 0.1
-    target = make_row(SamplingParams(temperature=0.9, top_p=0.95, seed=seed))
+    target = make_row(SamplingParams(temperature=0.9, top_p=top_p, seed=seed))
     tokens = []
     for _ in range(steps):
         rows = [make_row(p) for p in others]
         rows.insert(position, target)
         logits = torch.randn(len(rows), vocab)  # [rows, vocab]
         logits[position] = target_logits
-        tokens.append(Sampler()(logits, rows).sampled_token_ids[position])
+        tokens.append(Sampler(kernels)(logits, rows).sampled_token_ids[position])
     return tokens
 
 
-def test_same_seed_same_tokens_whatever_the_batch():
-    alone = run_seeded(seed=1234, position=0, others=[])
+@pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize("top_p", [0.95, 1.0])  # 1.0 with "cpp": the fused draw_rows
+def test_same_seed_same_tokens_whatever_the_batch(top_p, kernels):
+    needs_cpp(kernels)
+    alone = run_seeded(seed=1234, position=0, others=[], top_p=top_p, kernels=kernels)
     others = [
         SamplingParams(temperature=1.0),
         SamplingParams(temperature=0.0),
         SamplingParams(temperature=0.7, seed=7, top_k=5),
         SamplingParams(temperature=1.2, min_p=0.1),
     ]
-    assert run_seeded(seed=1234, position=2, others=others) == alone
-    assert run_seeded(seed=1234, position=4, others=others[::-1]) == alone
-    assert run_seeded(seed=1235, position=0, others=[]) != alone
+    for position, batch in ((2, others), (4, others[::-1]), (1, others[:1])):
+        assert run_seeded(1234, position, batch, top_p=top_p, kernels=kernels) == alone
+    assert run_seeded(1235, 0, [], top_p=top_p, kernels=kernels) != alone
     assert len(set(alone)) > 3  # the row really is random, not collapsed to one token
 
 
@@ -166,6 +191,26 @@ def test_top_p_keeps_the_nucleus():
     assert_support(sample_many(logits, SamplingParams(top_p=0.1), 500), {1})
 
 
+def test_top_p_among_the_best_logits_keeps_what_a_full_sort_keeps():
+    """Nuclei within the best 256 logits, within 4,096, and past them (a full sort), beside
+    rows with a top_k or with neither knob: the same tokens kept, with the same logits."""
+    vocab = 10_000
+    spread = torch.tensor([8.0, 8.0, 2.5, 2.5, 0.3, 0.3, 8.0, 2.5, 0.3, 1.0])  # peaked .. flat
+    logits = torch.randn(10, vocab) * spread[:, None]
+    top_p = torch.tensor([0.9, 0.99, 0.9, 0.99, 0.9, 0.5, math.inf, 0.95, 0.95, math.inf])
+    top_k = torch.tensor([vocab, vocab, vocab, vocab, vocab, vocab, 40, 300, 6000, vocab])
+    full = _top_k_top_p_sorted(logits, top_k, top_p, vocab)
+    kept = apply_top_k_top_p(logits, top_k, top_p, vocab)
+    assert torch.equal(kept, full)
+    kept_sizes = full.isfinite().sum(dim=-1).tolist()
+    assert min(kept_sizes[:6]) < 256 and any(256 < n < 4096 for n in kept_sizes[:6])
+    assert any(n > 4096 for n in kept_sizes[:6]) and kept_sizes[9] == vocab
+    assert torch.equal(
+        apply_top_k_top_p(logits, None, top_p, vocab),
+        _top_k_top_p_sorted(logits, None, top_p, vocab),
+    )
+
+
 def test_min_p_drops_unlikely_tokens():
     logits = logits_from_probs([0.05, 0.5, 0.15, 0.3])
     # Threshold 0.2 * 0.5 = 0.1: token 0 (0.05) goes, token 2 (0.15) stays.
@@ -173,10 +218,12 @@ def test_min_p_drops_unlikely_tokens():
     assert_support(sample_many(logits, SamplingParams(min_p=0.5), 4000), {1, 3})
 
 
+@pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
-def test_temperature_matches_softmax_of_scaled_logits(temperature):
+def test_temperature_matches_softmax_of_scaled_logits(temperature, kernels):
+    needs_cpp(kernels)
     logits = torch.tensor([1.0, 0.5, 0.0, -0.5, -1.0])
-    samples = sample_many(logits, SamplingParams(temperature=temperature), 20000)
+    samples = sample_many(logits, SamplingParams(temperature=temperature), 20000, kernels)
     freqs = torch.bincount(samples, minlength=5).float() / 20000
     expected = torch.softmax(logits / temperature, dim=-1)
     assert torch.allclose(freqs, expected, atol=0.015), (freqs, expected)

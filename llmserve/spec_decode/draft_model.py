@@ -30,7 +30,7 @@ from collections.abc import Callable
 import torch
 
 from llmserve.runner.inputs import Chunk, build_step_inputs
-from llmserve.runner.sampler import SamplingRow, exponential_race, penalized_logits, sampling_probs
+from llmserve.runner.sampler import SamplingRow, draw_tokens, penalized_logits, sampling_probs
 
 MAX_DECODE_ROWS = 16  # a longer catch-up (a new sequence's prompt) runs as a prefill chunk
 Proposal = tuple[list[int], torch.Tensor | None]  # drafts, their q rows [K, vocab] (sampled rows)
@@ -109,7 +109,7 @@ def draw(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list
         index = torch.tensor(random_rows, device=logits.device)
         p = sampling_probs(processed[index], [rows[i] for i in random_rows])
         p = p / p.sum(dim=-1, keepdim=True)
-        sampled = exponential_race(p, [rows[i].generator for i in random_rows]).tolist()
+        sampled = draw_tokens(p, [rows[i].generator for i in random_rows]).tolist()
         for k, i in enumerate(random_rows):
             tokens[i], probs[i] = sampled[k], p[k]
     return tokens, probs

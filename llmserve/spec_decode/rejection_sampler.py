@@ -26,7 +26,7 @@ import torch
 
 from llmserve.runner.sampler import (
     SamplingRow,
-    exponential_race,
+    draw_tokens,
     penalized_logits,
     sampling_probs,
     top_logprobs,
@@ -101,7 +101,7 @@ def _accept_random(item: Verification, p_rows: list[torch.Tensor]) -> list[int]:
 
 
 def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    return int(exponential_race(probs[None], [generator])[0])
+    return int(draw_tokens(probs[None], [generator])[0])
 
 
 def _with_logprobs(

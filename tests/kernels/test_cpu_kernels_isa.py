@@ -329,6 +329,44 @@ def test_argmax_rows_rejects_bad_input():
         cpu_kernels.argmax_rows(torch.randn(4, 8).half())
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("width", [5, 300, 1030])  # the tail only, blocks and a tail
+def test_draw_rows_follows_softmax_at_each_temperature(isa, dtype, width):
+    torch.manual_seed(1)
+    row = torch.randn(width).to(dtype)
+    row[width // 2 :: 2] = -float("inf")  # masked: never drawn
+    row[1] += 3  # one likely token, so that frequencies are worth comparing
+    num = 20000
+    for temperature in (0.5, 1.0, 2.0):
+        u = torch.rand(num)
+        inv_t = torch.full((num,), 1.0 / temperature)
+        drawn = cpu_kernels.draw_rows(row.expand(num, -1).contiguous(), inv_t, u)
+        freqs = torch.bincount(drawn, minlength=width).float() / num
+        expected = torch.softmax(row.float() / temperature, dim=-1)
+        assert freqs[width // 2 :: 2].sum() == 0
+        assert (freqs - expected).abs().max() < 0.015, temperature
+        # the inverse CDF itself: u = 0 draws the first token, u just below 1 the last
+        # unmasked one, and a u draws the first token whose cumulative probability passes it
+        cdf = expected.double().cumsum(dim=-1)
+        some_u = torch.tensor([0.0, 0.999999, 0.3, 0.7])
+        ends = cpu_kernels.draw_rows(row.expand(4, -1).contiguous(), inv_t[:4], some_u)
+        last = max(i for i in range(width) if row[i] > -float("inf"))
+        middle = [int((cdf > x).nonzero()[0]) for x in (0.3, 0.7)]
+        assert ends.tolist()[:2] == [0, last]
+        assert all(abs(a - b) <= 1 for a, b in zip(ends.tolist()[2:], middle, strict=True))
+
+
+def test_draw_rows_rows_without_a_finite_max_and_bad_input():
+    x = torch.zeros(3, 40)
+    x[0] = -float("inf")
+    x[1, 7] = float("inf")
+    x[2, 9] = float("nan")
+    drawn = cpu_kernels.draw_rows(x, torch.ones(3), torch.full((3,), 0.5))
+    assert drawn.tolist() == [0, 7, 9]  # their argmax
+    with pytest.raises(RuntimeError, match="float32, one per row"):
+        cpu_kernels.draw_rows(x, torch.ones(2), torch.full((3,), 0.5))
+
+
 def test_bf16_rounds_to_nearest_even_and_keeps_nan(isa):
     """The vector stores round as torch does: ties to even, NaN stays NaN, overflow is inf."""
     up = (torch.randn(4, 64) * 10).bfloat16()

@@ -10,8 +10,8 @@
                           dispatcher on the per-layer path, the GIL released as each runs:
                           bindings.h); all stay registered as torch ops
     fused.cpp             rms_norm, fused_add_rms_norm_, silu_and_mul, rotary_interleaved:
-                          one pass over memory each; argmax_rows, greedy sampling's argmax
-                          (body: fused_impl.h)
+                          one pass over memory each; argmax_rows and draw_rows, greedy and
+                          temperature sampling from the logits (body: fused_impl.h)
     gemm.cpp              linear_f32_pack, linear_f32: the fp32 linear on a weight packed at
                           load, streamed front to back (body: gemm_impl.h)
     gemm_bf16.cpp         linear_bf16_pack, linear_bf16: the same for bf16 with vdpbf16ps
@@ -247,6 +247,14 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """``x [rows, n]`` (n > 0) -> int64 ``[rows]``: each row's first index of its largest value
     (a NaN counts as the largest), as ``x.max(dim=-1).indices``."""
     return _direct().argmax_rows(x)
+
+
+def draw_rows(x: torch.Tensor, inv_temperature: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``x [rows, n]`` logits -> int64 ``[rows]``: row r's draw from ``softmax(x[r] *
+    inv_temperature[r])`` at the uniform ``u[r]`` in [0, 1) (the first token whose cumulative
+    probability passes it), with no copy of the logits; -inf logits are never drawn.
+    ``inv_temperature`` and ``u`` are float32 ``[rows]``."""
+    return _direct().draw_rows(x, inv_temperature, u)
 
 
 def linear_f32_pack(weight: torch.Tensor) -> torch.Tensor:

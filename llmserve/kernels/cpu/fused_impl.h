@@ -167,3 +167,62 @@ void argmax_rows(const T* x, int64_t* out, int64_t rows, int64_t n) {
     for (int64_t r = begin; r < end; ++r) out[r] = argmax_row(x + r * n, n);
   });
 }
+
+// sum of exp(scale * x + shift) over one block of kArgmaxBlock values, in vectors (exp's
+// clamp makes a -inf about 1e-38 here)
+template <typename T>
+inline double block_exp_sum(const T* x, Vec scale, Vec shift) {
+  constexpr int64_t W = Vec::W;
+  Vec acc0 = Vec::zero(), acc1 = Vec::zero();
+  for (int64_t j = 0; j < kArgmaxBlock; j += 2 * W) {
+    acc0 = Vec::add(acc0, Vec::exp(Vec::fma(Vec::load(x + j), scale, shift)));
+    acc1 = Vec::add(acc1, Vec::exp(Vec::fma(Vec::load(x + j + W), scale, shift)));
+  }
+  return Vec::reduce_add(Vec::add(acc0, acc1));
+}
+
+// One draw from softmax(x * inv_temperature) at a uniform u in [0, 1): the first value whose
+// running sum of exp((x - max) * inv_temperature) passes u x the total. The total, and the
+// blocks wholly below the target, are summed block by block in vectors; from the block that
+// holds the target on, value by value with std::exp, where a -inf weighs exactly 0 (a masked
+// value is never drawn; if rounding leaves the target unpassed, the last value of positive
+// weight is). A row whose max is not finite (all -inf, an inf, a NaN) gets its argmax.
+template <typename T>
+int64_t draw_row(const T* x, int64_t n, float inv_temperature, float u) {
+  const int64_t first = argmax_row(x, n);
+  const float top = to_f32(x[first]);
+  if (!std::isfinite(top)) return first;
+  const Vec scale = Vec::set1(inv_temperature), shift = Vec::set1(-top * inv_temperature);
+  const int64_t whole = n / kArgmaxBlock * kArgmaxBlock;
+  auto weight = [&](int64_t i) { return std::exp((to_f32(x[i]) - top) * inv_temperature); };
+  double total = 0.0;
+  for (int64_t b = 0; b < whole; b += kArgmaxBlock) total += block_exp_sum(x + b, scale, shift);
+  for (int64_t i = whole; i < n; ++i) total += weight(i);
+  const double target = u * total;
+  double sum = 0.0;
+  int64_t i = 0;
+  for (; i < whole; i += kArgmaxBlock) {
+    const double block = block_exp_sum(x + i, scale, shift);
+    if (sum + block > target) break;
+    sum += block;
+  }
+  int64_t last = first;
+  for (; i < n; ++i) {
+    const float w = weight(i);
+    if (w > 0.f) {
+      last = i;
+      sum += w;
+      if (sum > target) return i;
+    }
+  }
+  return last;
+}
+
+// out[r] = draw_row of row r of x [rows, n] with its inverse temperature and uniform
+template <typename T>
+void draw_rows(const T* x, const float* inv_temperature, const float* u, int64_t* out,
+               int64_t rows, int64_t n) {
+  llmserve::parallel_take(rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) out[r] = draw_row(x + r * n, n, inv_temperature[r], u[r]);
+  });
+}
