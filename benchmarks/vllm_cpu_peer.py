@@ -18,7 +18,8 @@ re-runs itself with them preloaded, as ``export LD_PRELOAD=...`` before ``vllm s
 
 ``offline`` runs the text2sql batch (token ids written by ``llmserve bench throughput
 --save-prompt-ids``: a JSON list of lists of token ids) twice and one request of 256 tokens
-three times, and prints output tok/s; the first batch run warms up. vLLM keeps every prompt in
+three times, and prints output tok/s; the first batch run warms up. The batch is greedy
+unless ``--temperature`` (and ``--top-p``) say otherwise. vLLM keeps every prompt in
 its prefix cache, so a second run of the same prompts would skip their prefill: the cache is
 emptied before each run (``llmserve bench throughput`` measures cold prompts too). A last run
 with the cache kept shows what the cache alone is worth.
@@ -76,14 +77,18 @@ def run_preloaded() -> None:
     print(f"vllm_cpu_peer.py: LD_PRELOAD={preloaded}", flush=True)
 
 
-def offline(model: str, dtype: str, prompts_file: str, output_len: int) -> None:
+def offline(
+    model: str, dtype: str, prompts_file: str, output_len: int, temperature: float, top_p: float
+) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     with open(prompts_file) as f:
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in json.load(f)]
     llm = LLM(model, dtype=dtype, seed=0)
-    batch = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    batch = SamplingParams(
+        temperature=temperature, top_p=top_p, max_tokens=output_len, ignore_eos=True
+    )
     for run, cached in ((1, False), (2, False), (3, True)):
         if not cached:
             llm.reset_prefix_cache()
@@ -114,8 +119,12 @@ def main() -> None:
         parser.add_argument("--dtype", default="float32")
         parser.add_argument("--prompts", required=True, help="JSON list of token-id lists")
         parser.add_argument("--output-len", type=int, default=64)
+        parser.add_argument(
+            "--temperature", type=float, default=0.0, help="the batch's (0: greedy)"
+        )
+        parser.add_argument("--top-p", type=float, default=1.0, help="the batch's")
         args = parser.parse_args(sys.argv[2:])
-        offline(args.model, args.dtype, args.prompts, args.output_len)
+        offline(args.model, args.dtype, args.prompts, args.output_len, args.temperature, args.top_p)
         return
     from vllm.entrypoints.cli.main import main as vllm_main
 

@@ -179,16 +179,53 @@ def test_top_k_keeps_exactly_k_tokens():
     assert_support(torch.tensor(out[3000:]), set(range(20)))
 
 
-def test_top_p_keeps_the_nucleus():
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_top_p_keeps_the_nucleus(kernels):
+    needs_cpp(kernels)
     probs = [0.05, 0.4, 0.1, 0.3, 0.15]
     logits = logits_from_probs(probs)
     # Sorted: 0.4, 0.3 | 0.15, ...: 0.4 < 0.65 <= 0.7, so the nucleus is {1, 3}.
-    samples = sample_many(logits, SamplingParams(top_p=0.65), 6000)
+    samples = sample_many(logits, SamplingParams(top_p=0.65), 6000, kernels)
     assert_support(samples, {1, 3})
     assert (samples == 1).float().mean().item() == pytest.approx(0.4 / 0.7, abs=0.03)
     # 0.4 + 0.3 + 0.15 = 0.85 >= 0.8: three tokens.
-    assert_support(sample_many(logits, SamplingParams(top_p=0.8), 6000), {1, 3, 4})
-    assert_support(sample_many(logits, SamplingParams(top_p=0.1), 500), {1})
+    assert_support(sample_many(logits, SamplingParams(top_p=0.8), 6000, kernels), {1, 3, 4})
+    assert_support(sample_many(logits, SamplingParams(top_p=0.1), 500, kernels), {1})
+
+
+def test_cpp_top_p_and_min_p_keep_what_torch_keeps():
+    """The C++ draw's nucleus (a histogram of the weights, no sort) against torch's sort, on
+    3,000 tokens from peaked to flat: what uniforms spread over [0, 1) draw is the kept set
+    (every kept token of probability above 5 / num_draws, none outside it)."""
+    needs_cpp("cpp")
+    from llmserve.kernels import cpu as cpu_kernels
+
+    vocab, num = 3000, 100_000
+    u = (torch.arange(num) + 0.5) / num  # evenly over [0, 1)
+    for spread, top_p, min_p, temperature in (
+        (6.0, 0.9, 0.0, 1.0),
+        (2.0, 0.95, 0.0, 0.7),
+        (0.5, 0.5, 0.0, 1.3),
+        (3.0, 1.0, 0.02, 1.0),
+        (3.0, 0.99, 0.05, 1.0),
+    ):
+        row = torch.randn(vocab) * spread
+        row[::7] = -math.inf  # masked tokens: never kept
+        kept = _top_k_top_p_sorted(row[None] / temperature, None, torch.tensor([top_p]), vocab)
+        probs = kept.softmax(dim=-1)[0]
+        probs = probs.masked_fill(probs < min_p * probs.max(), 0.0)
+        probs = probs / probs.sum()
+        drawn = cpu_kernels.draw_rows(
+            row.expand(num, -1).contiguous(),
+            torch.full((num,), 1 / temperature),
+            u,
+            torch.full((num,), top_p),
+            torch.full((num,), min_p),
+        )
+        counts = torch.bincount(drawn, minlength=vocab)
+        assert set(counts.nonzero().flatten().tolist()) <= set(probs.nonzero().flatten().tolist())
+        assert set((probs > 5 / num).nonzero().flatten().tolist()) <= set(drawn.tolist())
+        assert (counts / num - probs).abs().max() < 1e-3  # the inverse CDF, exactly spread
 
 
 def test_top_p_among_the_best_logits_keeps_what_a_full_sort_keeps():
@@ -211,11 +248,13 @@ def test_top_p_among_the_best_logits_keeps_what_a_full_sort_keeps():
     )
 
 
-def test_min_p_drops_unlikely_tokens():
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_min_p_drops_unlikely_tokens(kernels):
+    needs_cpp(kernels)
     logits = logits_from_probs([0.05, 0.5, 0.15, 0.3])
     # Threshold 0.2 * 0.5 = 0.1: token 0 (0.05) goes, token 2 (0.15) stays.
-    assert_support(sample_many(logits, SamplingParams(min_p=0.2), 4000), {1, 2, 3})
-    assert_support(sample_many(logits, SamplingParams(min_p=0.5), 4000), {1, 3})
+    assert_support(sample_many(logits, SamplingParams(min_p=0.2), 4000, kernels), {1, 2, 3})
+    assert_support(sample_many(logits, SamplingParams(min_p=0.5), 4000, kernels), {1, 3})
 
 
 @pytest.mark.parametrize("kernels", KERNELS)

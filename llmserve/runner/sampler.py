@@ -253,16 +253,17 @@ def _sample(logits: torch.Tensor, rows: list[SamplingRow], kernels: str) -> torc
 
 
 def _random_sample(logits: torch.Tensor, rows: list[SamplingRow], kernels: str) -> torch.Tensor:
-    """[num_rows] int64 drawn after temperature, top-k, top-p and min-p. Where only the
-    temperature applies, the C++ ``draw_rows`` (``kernels="cpp"``, CPU) takes the softmax and
-    the draw in one pass over the logits: [64, 49152] in about 0.5 ms, where torch's path
-    makes three fp32 copies of them."""
+    """[num_rows] int64 drawn after temperature, top-k, top-p and min-p. Where no row has a
+    top_k, the C++ ``draw_rows`` (``kernels="cpp"``, CPU) reads the logits as they are and
+    draws with no copy of them and no sort: [64, 49152] in about 0.5 ms with the temperature
+    alone, where torch's path makes three fp32 copies, and a few ms with top-p, where torch's
+    sorts (SmolLM2 offline, 64 x 256/128 at temperature 1: docs/benchmarks.md)."""
     knobs = SamplingTensors.from_params([r.params for r in rows], logits.shape[-1], logits.device)
     generators = [row.generator for row in rows]
-    temperature_only = knobs.top_k is None and knobs.top_p is None and knobs.min_p is None
-    if temperature_only and kernels == "cpp" and _on_kernels(logits):
+    if knobs.top_k is None and kernels == "cpp" and _on_kernels(logits):
         u = uniforms(generators, logits.device)
-        return cpu_kernels.draw_rows(logits, 1.0 / knobs.temperature, u)
+        top_p = None if knobs.top_p is None else knobs.top_p.clamp(max=1.0)  # inf: off
+        return cpu_kernels.draw_rows(logits, 1.0 / knobs.temperature, u, top_p, knobs.min_p)
     return draw_tokens(_truncated_probs(logits, knobs), generators)
 
 

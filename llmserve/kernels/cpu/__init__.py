@@ -249,12 +249,23 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return _direct().argmax_rows(x)
 
 
-def draw_rows(x: torch.Tensor, inv_temperature: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def draw_rows(
+    x: torch.Tensor,
+    inv_temperature: torch.Tensor,
+    u: torch.Tensor,
+    top_p: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``x [rows, n]`` logits -> int64 ``[rows]``: row r's draw from ``softmax(x[r] *
     inv_temperature[r])`` at the uniform ``u[r]`` in [0, 1) (the first token whose cumulative
-    probability passes it), with no copy of the logits; -inf logits are never drawn.
-    ``inv_temperature`` and ``u`` are float32 ``[rows]``."""
-    return _direct().draw_rows(x, inv_temperature, u)
+    probability passes it), after its ``top_p`` (< 1: the nucleus, found by a histogram of
+    the weights, no sort) and ``min_p`` (> 0), with no copy of the logits; -inf logits are
+    never drawn. The others are float32 ``[rows]``; top_p None is 1, min_p None is 0."""
+    if top_p is None:
+        top_p = torch.ones_like(u)
+    if min_p is None:
+        min_p = torch.zeros_like(u)
+    return _direct().draw_rows(x, inv_temperature, u, top_p, min_p)
 
 
 def linear_f32_pack(weight: torch.Tensor) -> torch.Tensor:

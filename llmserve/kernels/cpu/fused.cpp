@@ -9,8 +9,9 @@
 //                                       angle of their position: out = x * (cos + i sin)
 //   argmax_rows(x)                      out[r] = the first index of row r's largest value, as
 //                                       torch.max(x, -1).indices              [R, n] -> [R]
-//   draw_rows(x, inv_t, u)              out[r] = a draw from softmax(x[r] * inv_t[r]) at the
-//                                       uniform u[r] (inverse CDF)            [R, n] -> [R]
+//   draw_rows(x, inv_t, u, p, m)        out[r] = a draw from softmax(x[r] * inv_t[r]) at the
+//                                       uniform u[r] (inverse CDF), after top-p p[r] and
+//                                       min-p m[r]                            [R, n] -> [R]
 //
 // The bodies (fused_impl.h) are compiled for AVX-512, AVX2 and plain C++; isa.h picks one at
 // run time. Rows are spread over torch's intra-op threads with at::parallel_for (argmax_rows and
@@ -20,7 +21,9 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "bindings.h"
@@ -166,23 +169,25 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   return out;
 }
 
-at::Tensor draw_rows(const at::Tensor& x, const at::Tensor& inv_temperature, const at::Tensor& u) {
+at::Tensor draw_rows(const at::Tensor& x, const at::Tensor& inv_temperature, const at::Tensor& u,
+                     const at::Tensor& top_p, const at::Tensor& min_p) {
   check_dtype(x, "x");
   TORCH_CHECK(x.dim() == 2 && x.size(1) > 0, "draw_rows: x must be [rows, n] with n > 0");
   const int64_t rows = x.size(0), n = x.size(1);
-  for (const at::Tensor* t : {&inv_temperature, &u}) {
+  for (const at::Tensor* t : {&inv_temperature, &u, &top_p, &min_p}) {
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 1 && t->size(0) == rows,
-                "draw_rows: inv_temperature and u must be float32, one per row");
+                "draw_rows: inv_temperature, u, top_p and min_p must be float32, one per row");
   }
   const at::Tensor xc = x.contiguous(), tc = inv_temperature.contiguous(), uc = u.contiguous();
+  const at::Tensor pc = top_p.contiguous(), mc = min_p.contiguous();
   at::Tensor out = at::empty({rows}, xc.options().dtype(at::kLong));
-  const float* t = tc.data_ptr<float>();
-  const float* uu = uc.data_ptr<float>();
+  const float *t = tc.data_ptr<float>(), *uu = uc.data_ptr<float>();
+  const float *p = pc.data_ptr<float>(), *m = mc.data_ptr<float>();
   int64_t* o = out.data_ptr<int64_t>();
   if (x.scalar_type() == at::kBFloat16) {
-    LLMSERVE_DISPATCH(draw_rows(ptr<const bf16>(xc), t, uu, o, rows, n));
+    LLMSERVE_DISPATCH(draw_rows(ptr<const bf16>(xc), t, uu, p, m, o, rows, n));
   } else {
-    LLMSERVE_DISPATCH(draw_rows(ptr<const float>(xc), t, uu, o, rows, n));
+    LLMSERVE_DISPATCH(draw_rows(ptr<const float>(xc), t, uu, p, m, o, rows, n));
   }
   return out;
 }
@@ -205,7 +210,8 @@ TORCH_LIBRARY_FRAGMENT(llmserve_cpu, m) {
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("rotary_interleaved(Tensor x, Tensor positions, Tensor cis, int head_dim) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
-  m.def("draw_rows(Tensor x, Tensor inv_temperature, Tensor u) -> Tensor");
+  m.def("draw_rows(Tensor x, Tensor inv_temperature, Tensor u, Tensor top_p, Tensor min_p)"
+        " -> Tensor");
   m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);
   m.impl("fused_add_rms_norm_", c10::DispatchKey::CPU, &fused_add_rms_norm_);
   m.impl("silu_and_mul", c10::DispatchKey::CPU, &silu_and_mul);

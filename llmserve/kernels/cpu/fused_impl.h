@@ -218,11 +218,101 @@ int64_t draw_row(const T* x, int64_t n, float inv_temperature, float u) {
   return last;
 }
 
-// out[r] = draw_row of row r of x [rows, n] with its inverse temperature and uniform
+// Top-p and min-p before the draw, without a sort. The weights w = exp((x - max) *
+// inv_temperature) are in (0, 1]; their float bit patterns order them, so a histogram of
+// their mass over buckets of 2^17 patterns (64 a power of two, 8,128 in all) finds the
+// bucket where the mass counted from the top reaches top_p x the total. Every value in the
+// buckets above is kept, the values in that bucket are sorted and kept while the mass before
+// them is below top_p x the total (the top value always stays), and min_p drops what weighs
+// less than min_p x the top one's. Values tied with the last kept one are kept with it.
+constexpr int kWeightShift = 17;
+constexpr int64_t kWeightBuckets = (0x3F800000 >> kWeightShift) + 1;  // w in (0, 1]
+
+// 0 for w >= 1 (the top value; an fma's rounding may put it a hair above 1), growing as w
+// shrinks; w > 0
+inline int64_t weight_bucket(float w) {
+  uint32_t bits;
+  std::memcpy(&bits, &w, sizeof(bits));
+  return bits >= 0x3F800000u ? 0 : static_cast<int64_t>((0x3F800000u - bits) >> kWeightShift);
+}
+
+struct NucleusScratch {
+  std::vector<float> w;         // the row's weights; 0 for a -inf logit
+  std::vector<double> mass;     // per bucket
+  std::vector<int64_t> members;  // of the bucket where the nucleus ends
+};
+
 template <typename T>
-void draw_rows(const T* x, const float* inv_temperature, const float* u, int64_t* out,
-               int64_t rows, int64_t n) {
-  llmserve::parallel_take(rows, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) out[r] = draw_row(x + r * n, n, inv_temperature[r], u[r]);
+int64_t draw_nucleus_row(const T* x, int64_t n, float inv_temperature, float u, float top_p,
+                         float min_p, NucleusScratch& s) {
+  constexpr int64_t W = Vec::W;
+  const int64_t first = argmax_row(x, n);
+  const float top = to_f32(x[first]);
+  if (!std::isfinite(top)) return first;
+  s.w.resize(n);
+  s.mass.assign(kWeightBuckets, 0.0);
+  float* w = s.w.data();
+  const Vec scale = Vec::set1(inv_temperature), shift = Vec::set1(-top * inv_temperature);
+  int64_t i = 0;
+  for (; i + W <= n; i += W) Vec::exp(Vec::fma(Vec::load(x + i), scale, shift)).store(w + i);
+  for (; i < n; ++i) w[i] = std::exp((to_f32(x[i]) - top) * inv_temperature);
+  double total = 0.0;
+  for (i = 0; i < n; ++i) {
+    if (to_f32(x[i]) == -INFINITY || !(w[i] > 0.f)) {  // masked (exp's clamp left ~1e-38)
+      w[i] = 0.f;
+      continue;
+    }
+    total += w[i];
+    s.mass[weight_bucket(w[i])] += w[i];
+  }
+  const double wanted = static_cast<double>(top_p) * total;
+  double before = 0.0;
+  int64_t b = 0;
+  while (b < kWeightBuckets - 1 && before + s.mass[b] < wanted) before += s.mass[b++];
+  s.members.clear();
+  for (i = 0; i < n; ++i) {
+    if (w[i] > 0.f && weight_bucket(w[i]) == b) s.members.push_back(i);
+  }
+  std::sort(s.members.begin(), s.members.end(), [w](int64_t a, int64_t c) { return w[a] > w[c]; });
+  float last_kept = 1.f;
+  double kept = before;
+  for (const int64_t m : s.members) {
+    if (kept >= wanted && last_kept != w[m]) break;
+    last_kept = w[m];
+    kept += w[m];
+  }
+  const float threshold = std::max(last_kept, min_p);
+  if (threshold > last_kept) {  // min_p cut deeper: count what it keeps
+    kept = 0.0;
+    for (i = 0; i < n; ++i) kept += w[i] >= threshold ? w[i] : 0.f;
+  }
+  const double target = u * kept;
+  double sum = 0.0;
+  int64_t last = first;
+  for (i = 0; i < n; ++i) {
+    if (w[i] > 0.f && w[i] >= threshold) {
+      last = i;
+      sum += w[i];
+      if (sum > target) return i;
+    }
+  }
+  return last;
+}
+
+// out[r] = row r's draw from x [rows, n] at its inverse temperature and uniform, after its
+// top_p and min_p where either is on (top_p < 1, min_p > 0)
+template <typename T>
+void draw_rows(const T* x, const float* inv_temperature, const float* u, const float* top_p,
+               const float* min_p, int64_t* out, int64_t rows, int64_t n) {
+  llmserve::parallel_take(rows, 1, [] { return NucleusScratch(); },
+                          [&](NucleusScratch& scratch, int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* row = x + r * n;
+      if (top_p[r] < 1.f || min_p[r] > 0.f) {
+        out[r] = draw_nucleus_row(row, n, inv_temperature[r], u[r], top_p[r], min_p[r], scratch);
+      } else {
+        out[r] = draw_row(row, n, inv_temperature[r], u[r]);
+      }
+    }
   });
 }
