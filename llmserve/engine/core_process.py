@@ -16,8 +16,8 @@ loop writes can make the engine thread wait for the GIL between two kernels. Her
 server's CPU time only competes for the cores. Measured on a 2-core AMD Zen 5 host (bf16,
 64 requests of 256/128 at once, docs/benchmarks.md), that made no difference to throughput:
 the server's decode steps ran 7-19% longer than the same steps offline in either design, so
-the GIL is not what slows them there; the thread stays the default (measured again once the
-kernels got faster: the process 1.4% ahead, inside the VM's spread). A core that crashes
+the GIL is not what slows them there; the thread stays the default (measured twice since,
+either ahead by 1-3%: inside the VM's spread). A core that crashes
 leaves the HTTP server up (/health answers 503), and the server's Python never pauses the
 engine's.
 
