@@ -264,7 +264,28 @@ def _random_sample(logits: torch.Tensor, rows: list[SamplingRow], kernels: str) 
         u = uniforms(generators, logits.device)
         top_p = None if knobs.top_p is None else knobs.top_p.clamp(max=1.0)  # inf: off
         return cpu_kernels.draw_rows(logits, 1.0 / knobs.temperature, u, top_p, knobs.min_p)
+    if knobs.top_k is not None and knobs.num_candidates < logits.shape[-1]:
+        return _draw_among_top_k(logits, knobs, generators)
     return draw_tokens(_truncated_probs(logits, knobs), generators)
+
+
+def _draw_among_top_k(
+    logits: torch.Tensor, knobs: SamplingTensors, generators: list[torch.Generator | None]
+) -> torch.Tensor:
+    """Every row has a top_k: temperature, top-p, min-p and the draw among each row's best
+    ``num_candidates`` logits, with no copy of the whole rows (the same tokens kept as
+    ``_truncated_probs``; [64, 49152] at top_k 100: 1-2 ms against 19-21 ms there)."""
+    best, best_ids = logits.topk(knobs.num_candidates, dim=-1)  # [num_rows, cand], descending
+    best = best.float() / knobs.temperature[:, None]
+    ranks = torch.arange(best.shape[-1], device=best.device)  # [cand]
+    best = best.masked_fill(ranks >= knobs.top_k[:, None], -math.inf)
+    probs = best.softmax(dim=-1)  # [num_rows, cand]
+    if knobs.top_p is not None:  # the top token always stays: nothing is before it
+        probs = probs.masked_fill(probs.cumsum(dim=-1) - probs >= knobs.top_p[:, None], 0.0)
+    if knobs.min_p is not None:
+        probs = apply_min_p(probs, knobs.min_p)
+    picked = draw_tokens(probs, generators)  # [num_rows], ranks among the candidates
+    return best_ids.gather(-1, picked[:, None]).squeeze(-1)
 
 
 def sampling_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
