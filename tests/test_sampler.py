@@ -162,18 +162,22 @@ def assert_support(samples: torch.Tensor, expected: set[int]) -> None:
     assert set(samples.tolist()) == expected
 
 
-def test_top_k_keeps_exactly_k_tokens():
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_top_k_keeps_exactly_k_tokens(kernels):
+    needs_cpp(kernels)
     logits = torch.linspace(2.0, 0.0, 20)[torch.randperm(20)]  # [vocab], all likely
     top5 = set(logits.topk(5).indices.tolist())
-    assert_support(sample_many(logits, SamplingParams(top_k=5), 4000), top5)
+    assert_support(sample_many(logits, SamplingParams(top_k=5), 4000, kernels), top5)
     # top_k beside top_p takes the sort path; top_p = 0.999 keeps all of the top 5.
-    both = sample_many(logits, SamplingParams(top_k=5, top_p=0.999), 4000)
+    both = sample_many(logits, SamplingParams(top_k=5, top_p=0.999), 4000, kernels)
     assert_support(both, top5)
-    assert len(set(sample_many(logits, SamplingParams(), 4000).tolist())) == 20
-    # Rows without top_k in the batch force the full-vocabulary sort.
+    assert len(set(sample_many(logits, SamplingParams(), 4000, kernels).tolist())) == 20
+    # Rows without top_k in the batch: the full-vocabulary sort ("torch"), or each group
+    # its own way ("cpp")
     params = [SamplingParams(top_k=5 - i % 2, top_p=0.999 if i % 3 else 1.0) for i in range(3000)]
     params += [SamplingParams(top_p=0.999)] * 3000
-    out = Sampler()(logits.expand(6000, -1), [make_row(p) for p in params]).sampled_token_ids
+    rows = [make_row(p) for p in params]
+    out = Sampler(kernels)(logits.expand(6000, -1), rows).sampled_token_ids
     top4 = set(logits.topk(4).indices.tolist())
     assert_support(torch.tensor(out[0:3000:2]), top5)
     assert_support(torch.tensor(out[1:3000:2]), top4)

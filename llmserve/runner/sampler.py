@@ -258,14 +258,24 @@ def _random_sample(logits: torch.Tensor, rows: list[SamplingRow], kernels: str) 
     draws with no copy of them and no sort: [64, 49152] in about 0.5 ms with the temperature
     alone, where torch's path makes three fp32 copies, and a few ms with top-p, where torch's
     sorts (SmolLM2 offline, 64 x 256/128 at temperature 1: docs/benchmarks.md)."""
-    knobs = SamplingTensors.from_params([r.params for r in rows], logits.shape[-1], logits.device)
+    vocab_size = logits.shape[-1]
+    knobs = SamplingTensors.from_params([r.params for r in rows], vocab_size, logits.device)
     generators = [row.generator for row in rows]
-    if knobs.top_k is None and kernels == "cpp" and _on_kernels(logits):
+    in_kernel = kernels == "cpp" and _on_kernels(logits)
+    if knobs.top_k is None and in_kernel:
         u = uniforms(generators, logits.device)
         top_p = None if knobs.top_p is None else knobs.top_p.clamp(max=1.0)  # inf: off
         return cpu_kernels.draw_rows(logits, 1.0 / knobs.temperature, u, top_p, knobs.min_p)
-    if knobs.top_k is not None and knobs.num_candidates < logits.shape[-1]:
+    if knobs.top_k is not None and knobs.num_candidates < vocab_size:
         return _draw_among_top_k(logits, knobs, generators)
+    if knobs.top_k is not None and in_kernel:  # rows with and without a top_k: each their way
+        sampled = torch.empty(len(rows), dtype=torch.int64)
+        has_k = [0 < row.params.top_k < vocab_size for row in rows]
+        for wanted in (True, False):
+            group = [i for i, k in enumerate(has_k) if k == wanted]
+            index = _tensor(group, torch.int64, logits.device)
+            sampled[index] = _random_sample(logits[index], [rows[i] for i in group], kernels)
+        return sampled
     return draw_tokens(_truncated_probs(logits, knobs), generators)
 
 
