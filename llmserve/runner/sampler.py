@@ -51,7 +51,8 @@ class SamplerOutput:
 
 class Sampler:
     """Samples one token per row of logits; the stages are in the module docstring.
-    ``kernels="cpp"``: greedy rows on the CPU take the C++ argmax (``greedy``)."""
+    ``kernels="cpp"``: on the CPU, greedy rows take the C++ argmax (``greedy``) and random
+    rows the C++ draw where they can (``_random_sample``)."""
 
     def __init__(self, kernels: str = "torch") -> None:
         self.kernels = kernels
@@ -270,7 +271,7 @@ def _random_sample(logits: torch.Tensor, rows: list[SamplingRow], kernels: str) 
         return _draw_among_top_k(logits, knobs, generators)
     if knobs.top_k is not None and in_kernel:  # rows with and without a top_k: each their way
         sampled = torch.empty(len(rows), dtype=torch.int64)
-        has_k = [0 < row.params.top_k < vocab_size for row in rows]
+        has_k = (knobs.top_k < vocab_size).tolist()
         for wanted in (True, False):
             group = [i for i, k in enumerate(has_k) if k == wanted]
             index = _tensor(group, torch.int64, logits.device)
