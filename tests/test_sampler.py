@@ -319,6 +319,31 @@ def test_apply_penalties_matches_hand_computation():
     assert torch.equal(out, expected)
 
 
+def test_apply_penalties_matches_dense_counts():
+    """The sparse update against the formulas on whole [rows, vocab] count tables, with
+    repeated tokens, an empty output and tokens seen in both the prompt and the output."""
+    vocab = 500
+    logits = torch.randn(4, vocab) * 3
+    prompts = [torch.randint(0, vocab, (n,)).tolist() for n in (40, 0, 7, 300)]
+    outputs = [torch.randint(0, 60, (n,)).tolist() for n in (25, 9, 0, 120)]
+    rep, pres, freq = [1.3, 1.0, 0.8, 1.1], [0.0, 0.7, 0.2, -0.4], [0.5, 0.0, 0.1, 0.3]
+
+    def counts(ids_per_row):
+        return torch.stack([torch.bincount(torch.tensor(ids, dtype=torch.int64), minlength=vocab)
+                            for ids in ids_per_row]).float()  # fmt: skip
+
+    out_counts = counts(outputs)
+    seen = (counts(prompts) + out_counts) > 0
+    penalty = torch.where(seen, torch.tensor(rep)[:, None], 1.0)
+    expected = torch.where(logits > 0, logits / penalty, logits * penalty)
+    expected = expected - torch.tensor(pres)[:, None] * (out_counts > 0)
+    expected = expected - torch.tensor(freq)[:, None] * out_counts
+    before = logits.clone()
+    out = apply_penalties(logits, prompts, outputs, rep, pres, freq)
+    torch.testing.assert_close(out, expected)
+    assert torch.equal(logits, before)  # out of place
+
+
 def test_penalties_steer_greedy_choice():
     logits = torch.tensor([[3.0, 2.9, 0.0, -5.0]])
     plain = make_row(SamplingParams(temperature=0.0), output_token_ids=[0])
