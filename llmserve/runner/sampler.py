@@ -194,8 +194,9 @@ def apply_penalties(
         logit - presence * (c > 0) - frequency * c
 
     Only the logits of tokens a row has seen change: they are gathered by (row, token) key,
-    penalized and written into one copy of ``logits`` ([64, 49152] with 320 tokens seen a
-    row: about 2 ms, where [rows, vocab] count tables took 20-30 ms on 2 CPU cores).
+    penalized and written into one copy of ``logits``. [64, 49152] with 320 tokens seen a
+    row, 2 CPU cores: 1.5-2.5 ms here, and a whole sampler call with a penalty 8.4-8.6 ms,
+    where it took 22-27 ms with [rows, vocab] count tables.
     """
     vocab_size, device = logits.shape[-1], logits.device
     result = logits.clone()
