@@ -7,16 +7,9 @@ import math
 import pytest
 import torch
 
-from llmserve.runner.sampler import (
-    Sampler,
-    SamplingRow,
-    _top_k_top_p_sorted,
-    apply_penalties,
-    apply_top_k_top_p,
-    compute_prompt_logprobs,
-    greedy,
-    sampling_probs,
-)
+from llmserve.runner.logprobs import compute_prompt_logprobs
+from llmserve.runner.sampler import Sampler, SamplingRow, apply_penalties, greedy, sampling_probs
+from llmserve.runner.truncation import apply_top_k_top_p, top_k_top_p_sorted
 from llmserve.sampling_params import SamplingParams
 
 
@@ -216,7 +209,7 @@ def test_cpp_top_p_and_min_p_keep_what_torch_keeps():
     ):
         row = torch.randn(vocab) * spread
         row[::7] = -math.inf  # masked tokens: never kept
-        kept = _top_k_top_p_sorted(row[None] / temperature, None, torch.tensor([top_p]), vocab)
+        kept = top_k_top_p_sorted(row[None] / temperature, None, torch.tensor([top_p]), vocab)
         probs = kept.softmax(dim=-1)[0]
         probs = probs.masked_fill(probs < min_p * probs.max(), 0.0)
         probs = probs / probs.sum()
@@ -256,7 +249,7 @@ def test_top_p_among_the_best_logits_keeps_what_a_full_sort_keeps():
     logits = torch.randn(10, vocab) * spread[:, None]
     top_p = torch.tensor([0.9, 0.99, 0.9, 0.99, 0.9, 0.5, math.inf, 0.95, 0.95, math.inf])
     top_k = torch.tensor([vocab, vocab, vocab, vocab, vocab, vocab, 40, 300, 6000, vocab])
-    full = _top_k_top_p_sorted(logits, top_k, top_p, vocab)
+    full = top_k_top_p_sorted(logits, top_k, top_p, vocab)
     kept = apply_top_k_top_p(logits, top_k, top_p, vocab)
     assert torch.equal(kept, full)
     kept_sizes = full.isfinite().sum(dim=-1).tolist()
@@ -264,7 +257,7 @@ def test_top_p_among_the_best_logits_keeps_what_a_full_sort_keeps():
     assert any(n > 4096 for n in kept_sizes[:6]) and kept_sizes[9] == vocab
     assert torch.equal(
         apply_top_k_top_p(logits, None, top_p, vocab),
-        _top_k_top_p_sorted(logits, None, top_p, vocab),
+        top_k_top_p_sorted(logits, None, top_p, vocab),
     )
 
 

@@ -20,7 +20,8 @@ from llmserve.layers.attention_metadata import AttentionMetadata
 from llmserve.runner import kv_cache
 from llmserve.runner.cuda_graph import CUDAGraphRunner
 from llmserve.runner.inputs import Chunk, StepInputs, build_step_inputs
-from llmserve.runner.sampler import Sampler, SamplingRow, compute_prompt_logprobs
+from llmserve.runner.logprobs import compute_prompt_logprobs
+from llmserve.runner.sampler import Sampler, SamplingRow
 from llmserve.spec_decode import rejection_sampler
 from llmserve.spec_decode.draft_model import DraftModelProposer, Proposal
 from llmserve.structured_output.masking import apply_grammar_masks

@@ -13,7 +13,7 @@ The draw inverts the row's cumulative distribution at one uniform ``u``: the fir
 whose cumulative probability passes ``u`` x the total, which is token i with probability
 ``probs[i]``. A row with a seed draws its ``u`` from its own generator (on the logits'
 device), so its tokens do not depend on which other rows share the batch or where the row
-sits in it.
+sits in it. Top-k, top-p and min-p are in ``truncation.py``, the logprobs in ``logprobs.py``.
 """
 
 from __future__ import annotations
@@ -25,9 +25,14 @@ from itertools import chain
 import torch
 
 from llmserve.kernels import cpu as cpu_kernels
+from llmserve.runner.logprobs import top_logprobs
+from llmserve.runner.truncation import (
+    apply_min_p,
+    apply_top_k,
+    apply_top_k_top_p,
+    keep_top_k_top_p,
+)
 from llmserve.sampling_params import SamplingParams
-
-_PROMPT_LOGPROBS_CHUNK = 1024  # rows of prompt logits turned into logprobs at a time
 
 
 @dataclass
@@ -293,12 +298,8 @@ def _draw_among_top_k(
     ``num_candidates`` logits, with no copy of the whole rows (the same tokens kept as
     ``_truncated_probs``; [64, 49152] at top_k 100: 1-2 ms against 19-21 ms there)."""
     best, best_ids = logits.topk(knobs.num_candidates, dim=-1)  # [num_rows, cand], descending
-    best = best.float() / knobs.temperature[:, None]
-    ranks = torch.arange(best.shape[-1], device=best.device)  # [cand]
-    best = best.masked_fill(ranks >= knobs.top_k[:, None], -math.inf)
+    best = keep_top_k_top_p(best.float() / knobs.temperature[:, None], knobs.top_k, knobs.top_p)
     probs = best.softmax(dim=-1)  # [num_rows, cand]
-    if knobs.top_p is not None:  # the top token always stays: nothing is before it
-        probs = probs.masked_fill(probs.cumsum(dim=-1) - probs >= knobs.top_p[:, None], 0.0)
     if knobs.min_p is not None:
         probs = apply_min_p(probs, knobs.min_p)
     picked = draw_tokens(probs, generators)  # [num_rows], ranks among the candidates
@@ -323,96 +324,6 @@ def _truncated_probs(logits: torch.Tensor, knobs: SamplingTensors) -> torch.Tens
     if knobs.min_p is not None:
         probs = apply_min_p(probs, knobs.min_p)
     return probs
-
-
-def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
-    """Masks all but each row's ``top_k`` largest logits; top_k >= vocab_size keeps all.
-
-    Logits tied with the k-th largest are kept as well.
-    """
-    vocab_size = logits.shape[-1]
-    top_values = logits.topk(max_top_k, dim=-1).values  # [num_rows, max_top_k], descending
-    kth = top_values.gather(-1, top_k.clamp(max=max_top_k)[:, None] - 1)  # [num_rows, 1]
-    kth = kth.masked_fill(top_k[:, None] >= vocab_size, -math.inf)  # rows with top-k off
-    return logits.masked_fill(logits < kth, -math.inf)
-
-
-_NUCLEUS_CANDIDATES = (256, 4096)  # how many best logits a row's nucleus is looked for among
-
-
-def apply_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor, num_candidates: int
-) -> torch.Tensor:
-    """Keeps each row's top_k logits, then the smallest set of them whose probability
-    reaches top_p (the top token always stays). top_p = inf turns it off for a row.
-
-    Only each row's best logits are sorted: its ``num_candidates`` (the largest top_k, when
-    every row has one), else its best 256, then 4,096 for the rows whose nucleus was not
-    among those (they held less than top_p of its probability, or keep a top_k beyond them),
-    then the whole vocabulary for any left. On 2 CPU cores, [64, 49152]: a full sort
-    takes about 80-100 ms, the best 256 of each row 3 ms, 4,096 17 ms; SmolLM2's nucleus at
-    top_p 0.95 and temperature 1 held a median 236 tokens, at most 1,565 (96 rows of text).
-    """
-    vocab_size = logits.shape[-1]
-    if num_candidates < vocab_size:  # every row keeps a top_k: sort the largest one
-        return _top_k_top_p_sorted(logits, top_k, top_p, num_candidates)
-    k = top_k if top_k is not None else torch.full_like(top_p, vocab_size, dtype=torch.int64)
-    untouched = (k >= vocab_size) & torch.isinf(top_p)  # neither knob on: every token stays
-    kept = torch.where(untouched[:, None], logits, -math.inf)
-    pending = (~untouched).nonzero().squeeze(-1)  # [num_pending] rows still to do
-    for num_best in _NUCLEUS_CANDIDATES:
-        if not pending.numel() or num_best >= vocab_size:
-            break
-        rows = logits if pending.numel() == logits.shape[0] else logits[pending]
-        rows_kept, fits = _nucleus_among_best(rows, k[pending], top_p[pending], num_best)
-        kept[pending[fits]] = rows_kept[fits]
-        pending = pending[~fits]
-    if pending.numel():
-        rest_k = None if top_k is None else top_k[pending]
-        kept[pending] = _top_k_top_p_sorted(logits[pending], rest_k, top_p[pending], vocab_size)
-    return kept
-
-
-def _nucleus_among_best(
-    logits: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor, num_best: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``apply_top_k_top_p`` from each row's best ``num_best`` logits (``k``: each row's top_k,
-    the vocabulary size where off), and per row whether that was all it needed."""
-    vocab_size = logits.shape[-1]
-    best, best_ids = logits.topk(num_best, dim=-1)  # [num_rows, num_best], descending
-    ranks = torch.arange(num_best, device=logits.device)  # [num_best]
-    best = best.masked_fill(ranks >= k[:, None], -math.inf)
-    whole = k >= vocab_size  # top_k off: the nucleus of the whole row's distribution
-    log_norm = torch.where(whole, logits.logsumexp(dim=-1), best.logsumexp(dim=-1))
-    probs = (best - log_norm[:, None]).exp()  # [num_rows, num_best]
-    mass = probs.cumsum(dim=-1)  # of the best tokens so far
-    fits = (k <= num_best) | (whole & (mass[:, -1] >= top_p))
-    best = best.masked_fill(mass - probs >= top_p[:, None], -math.inf)
-    return torch.full_like(logits, -math.inf).scatter_(-1, best_ids, best), fits
-
-
-def _top_k_top_p_sorted(
-    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor, num_candidates: int
-) -> torch.Tensor:
-    """``apply_top_k_top_p`` over each row's best ``num_candidates`` logits, sorted: every
-    row's top_k (when it has one) and nucleus must lie among them."""
-    if num_candidates < logits.shape[-1]:
-        sorted_logits, sorted_ids = logits.topk(num_candidates, dim=-1)  # [num_rows, cand]
-    else:
-        sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)  # [num_rows, vocab]
-    if top_k is not None:
-        ranks = torch.arange(sorted_logits.shape[-1], device=logits.device)  # [cand]
-        sorted_logits = sorted_logits.masked_fill(ranks >= top_k[:, None], -math.inf)
-    probs = sorted_logits.softmax(dim=-1)  # [num_rows, cand]
-    mass_before = probs.cumsum(dim=-1) - probs  # [num_rows, cand], of the better tokens
-    sorted_logits = sorted_logits.masked_fill(mass_before >= top_p[:, None], -math.inf)
-    return torch.full_like(logits, -math.inf).scatter_(-1, sorted_ids, sorted_logits)
-
-
-def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Zeroes probabilities below ``min_p`` x the row's largest (left unnormalized)."""
-    threshold = probs.amax(dim=-1, keepdim=True) * min_p[:, None]  # [num_rows, 1]
-    return probs.masked_fill(probs < threshold, 0.0)
 
 
 def uniforms(generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
@@ -457,47 +368,4 @@ def _sampled_logprobs(
     dicts = top_logprobs(raw_logits[index], sampled[index], num_logprobs)
     for i, logprobs in zip(wanted, dicts, strict=True):
         result[i] = logprobs
-    return result
-
-
-def compute_prompt_logprobs(
-    logits: torch.Tensor, target_ids: list[int], num_logprobs: int
-) -> list[dict[int, float]]:
-    """Logprobs of each prompt token given the ones before it.
-
-    ``logits`` [n, vocab_size] are at prompt positions 0..n-1 and ``target_ids[i]`` is the
-    prompt token at position i + 1. Each dict holds the top ``num_logprobs`` tokens and
-    the target token. Rows are processed in chunks to bound the fp32 copy of long prompts.
-    """
-    assert logits.shape[0] == len(target_ids), (logits.shape, len(target_ids))
-    targets = _tensor(target_ids, torch.int64, logits.device)  # [n]
-    result: list[dict[int, float]] = []
-    for start in range(0, len(target_ids), _PROMPT_LOGPROBS_CHUNK):
-        end = min(start + _PROMPT_LOGPROBS_CHUNK, len(target_ids))
-        nums = [num_logprobs] * (end - start)
-        result += top_logprobs(logits[start:end], targets[start:end], nums)
-    return result
-
-
-def top_logprobs(
-    logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: list[int]
-) -> list[dict[int, float]]:
-    """Per row: {top num_logprobs[i] tokens, then token_ids[i]: logprob} of log_softmax(logits)."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [num_rows, vocab]
-    token_logprobs = logprobs.gather(-1, token_ids[:, None]).squeeze(-1)  # [num_rows]
-    max_top = min(max(num_logprobs), logprobs.shape[-1])
-    best_logprobs, best_ids = logprobs.topk(max_top, dim=-1)  # [num_rows, max_top]
-    rows = zip(
-        num_logprobs,
-        best_ids.tolist(),
-        best_logprobs.tolist(),
-        token_ids.tolist(),
-        token_logprobs.tolist(),
-        strict=True,
-    )
-    result = []
-    for n, row_top_ids, row_top_logprobs, token_id, token_logprob in rows:
-        entry = dict(zip(row_top_ids[:n], row_top_logprobs[:n], strict=True))
-        entry.setdefault(token_id, token_logprob)
-        result.append(entry)
     return result

@@ -24,13 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from llmserve.runner.sampler import (
-    SamplingRow,
-    draw_tokens,
-    penalized_logits,
-    sampling_probs,
-    top_logprobs,
-)
+from llmserve.runner.logprobs import top_logprobs
+from llmserve.runner.sampler import SamplingRow, draw_tokens, penalized_logits, sampling_probs
 
 Sample = tuple[int, dict[int, float] | None]  # token id, logprobs
 
