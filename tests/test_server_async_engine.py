@@ -18,13 +18,14 @@ from llmserve.engine.async_engine import (
     EngineClosedError,
     EngineOverloadedError,
     EngineStepError,
+    RequestStream,
 )
 from llmserve.engine.block_manager import BlockManager
 from llmserve.engine.llm_engine import EngineStats
 from llmserve.engine.output_processor import make_request_output
 from llmserve.engine.scheduler import Scheduler
 from llmserve.engine.sequence import FinishReason
-from llmserve.outputs import RequestOutput
+from llmserve.outputs import CompletionOutput, RequestOutput
 from llmserve.sampling_params import SamplingParams
 from tests.fake_engine import make_request
 
@@ -112,6 +113,47 @@ async def final(engine, request_id, prompt=(1, 2, 3), max_tokens=4) -> RequestOu
     params = SamplingParams(max_tokens=max_tokens)
     outputs = [o async for o in engine.generate(request_id, list(prompt), params)]
     return outputs[-1]
+
+
+def _output(num_tokens: int, finished: bool = False) -> RequestOutput:
+    tokens = list(range(num_tokens))
+    completion = CompletionOutput(
+        0, "x" * num_tokens, tokens, finish_reason="length" if finished else None
+    )
+    return RequestOutput("r", None, [1], [completion], finished=finished)
+
+
+def test_request_stream_skips_to_the_newest_output_and_keeps_an_error():
+    async def body():
+        stream = RequestStream("r")
+        waiting = asyncio.ensure_future(stream.get())
+        await asyncio.sleep(0)
+        assert not waiting.done()  # nothing yet: get waits
+        stream.put(_output(1))
+        assert len((await waiting).outputs[0].token_ids) == 1
+        stream.put(_output(2))
+        stream.put(_output(3))  # a reader that fell behind gets only the newest
+        assert len((await stream.get()).outputs[0].token_ids) == 3
+        stream.put(_output(4))
+        stream.put(EngineStepError("boom"))
+        stream.put(_output(5))  # an error is final: later outputs do not replace it
+        for _ in range(2):
+            with pytest.raises(EngineStepError, match="boom"):
+                await stream.get()
+        assert stream.is_finished
+
+    asyncio.run(body())
+
+
+def test_request_stream_finishes_with_its_last_output():
+    async def body():
+        stream = RequestStream("r")
+        stream.put(_output(1))
+        stream.put(_output(2, finished=True))
+        output = await stream.get()
+        assert output.finished and stream.is_finished
+
+    asyncio.run(body())
 
 
 def test_concurrent_requests_share_steps():

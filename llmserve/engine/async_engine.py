@@ -91,22 +91,34 @@ class EngineListeners:
 
 
 class RequestStream:
-    """The outputs of one request, fed by the engine thread, read by one handler."""
+    """The outputs of one request, fed by the engine thread, read by one handler.
+
+    Outputs are cumulative, so the stream keeps only the newest one: a handler that falls
+    behind skips to it. An exception (the engine failed) replaces it and stays."""
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
         self.is_finished = False
-        self._queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
+        self._item: RequestOutput | Exception | None = None
+        self._waiter: asyncio.Future[None] | None = None
 
     def put(self, item: RequestOutput | Exception) -> None:
-        self._queue.put_nowait(item)
+        if not isinstance(self._item, Exception):
+            self._item = item
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
     async def get(self) -> RequestOutput:
-        """The newest output; older cumulative snapshots still queued are skipped."""
-        item = await self._queue.get()
-        while not isinstance(item, Exception) and not self._queue.empty():
-            item = self._queue.get_nowait()
+        """The newest output not yet read; waits for one."""
+        while self._item is None:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        item, self._item = self._item, None
         if isinstance(item, Exception):
+            self._item = item  # every later get raises it too
             self.is_finished = True
             raise item
         self.is_finished = item.finished

@@ -23,7 +23,7 @@ from starlette.background import BackgroundTask
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import llmserve
-from llmserve.engine.async_engine import AsyncLLMEngine
+from llmserve.engine.async_engine import AsyncLLMEngine, RequestStream
 from llmserve.entrypoints.openai.errors import OpenAIError, error_response, install_error_handlers
 from llmserve.entrypoints.openai.metrics import ServerMetrics
 from llmserve.entrypoints.openai.protocol import (
@@ -195,9 +195,14 @@ def _respond(serving: ServingBase, result: Any) -> Response:
             result.events,
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"},
-            background=BackgroundTask(serving.abort, result.streams),
+            background=BackgroundTask(_abort, serving, result.streams),
         )
     return JSONResponse(dump(result))
+
+
+async def _abort(serving: ServingBase, streams: list[RequestStream]) -> None:
+    """Async, so that starlette runs it on the loop rather than through a worker thread."""
+    serving.abort(streams)
 
 
 async def _until_disconnect(raw: Request, work: Awaitable[T]) -> T | None:
