@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from llmserve.runner.logprobs import compute_prompt_logprobs
-from llmserve.runner.sampler import Sampler, SamplingRow, apply_penalties, greedy, sampling_probs
+from llmserve.runner.sampler import (
+    Sampler,
+    SamplingRow,
+    apply_penalties,
+    argmax_and_probs,
+    greedy,
+    sampling_probs,
+)
 from llmserve.runner.truncation import apply_top_k_top_p, top_k_top_p_sorted
 from llmserve.sampling_params import SamplingParams
 
@@ -418,3 +425,38 @@ def test_greedy_takes_the_first_of_tied_maxima_as_argmax():
         x = logits.to(dtype)
         assert torch.equal(greedy(x), x.argmax(dim=-1))
     assert greedy(logits)[:2].tolist() == [3, 2]
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_speculation_reads_the_argmax_and_distributions_of_each_row(kernels, dtype):
+    """``argmax_and_probs`` (drafting and verifying): raw logits where no stage acts, the
+    penalized ones where a row has a bias; the same argmax and distribution either way."""
+    needs_cpp(kernels)
+    torch.manual_seed(0)
+    logits = (torch.randn(6, 300) * 3).to(dtype)
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.7, top_p=0.9),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.3, top_k=20),
+        SamplingParams(temperature=1.0, min_p=0.1),
+        SamplingParams(temperature=0.0),
+    ]
+    wide = logits.float()
+    for biased in (False, True):
+        rows = [make_row(p) for p in params]
+        if biased:  # one row's bias makes every row go through the fp32 copy
+            rows[2] = make_row(SamplingParams(temperature=0.0, logit_bias={7: 100.0}))
+        argmax, random_rows, probs = argmax_and_probs(logits, rows, kernels)
+        want = wide.argmax(dim=-1)
+        if biased:
+            want[2] = 7
+        assert argmax == want.tolist()
+        assert random_rows == [1, 3, 4]
+        assert probs.dtype == torch.float32
+        want_probs = sampling_probs(wide[random_rows], [rows[i] for i in random_rows])
+        want_probs = want_probs / want_probs.sum(dim=-1, keepdim=True)
+        torch.testing.assert_close(probs, want_probs)
+    rows = [make_row(SamplingParams(temperature=0.0)) for _ in range(2)]
+    assert argmax_and_probs(logits[:2], rows, kernels)[1:] == ([], None)

@@ -21,7 +21,7 @@ from llmserve.runner import kv_cache
 from llmserve.runner.cuda_graph import CUDAGraphRunner
 from llmserve.runner.inputs import Chunk, StepInputs, build_step_inputs
 from llmserve.runner.logprobs import compute_prompt_logprobs
-from llmserve.runner.sampler import Sampler, SamplingRow
+from llmserve.runner.sampler import Sampler, SamplingRow, sampler_kernels
 from llmserve.spec_decode import rejection_sampler
 from llmserve.spec_decode.draft_model import DraftModelProposer, Proposal
 from llmserve.structured_output.masking import apply_grammar_masks
@@ -60,7 +60,7 @@ class ModelRunner:
         self.device = device
         self.eos_token_id = eos_token_id
         self.attention_backend = attention_backend
-        self.sampler = Sampler("cpp" if attention_backend == "cpp" else "torch")
+        self.sampler = Sampler(sampler_kernels(attention_backend))
         self.generators: dict[int, torch.Generator] = {}
         self.cuda_graphs = cuda_graphs  # decode-only steps replay a captured graph (CUDA)
         self.drafter = drafter  # speculative decoding with a draft model
@@ -191,7 +191,9 @@ class ModelRunner:
             spec_rows.extend(range(row, row + len(rows)))
             row += len(rows)
         index = torch.tensor(spec_rows, device=logits.device)
-        results = rejection_sampler.verify(logits[index], [v for _, v in checks])
+        results = rejection_sampler.verify(
+            logits[index], [v for _, v in checks], self.sampler.kernels
+        )
         for (item, _), samples in zip(checks, results, strict=True):
             out.samples[item.seq.seq_id] = samples
         return logits[torch.tensor(plain_rows, device=logits.device, dtype=torch.long)], plain

@@ -54,6 +54,12 @@ class SamplerOutput:
     logprobs: list[dict[int, float] | None]  # top-N + sampled token; None if not requested
 
 
+def sampler_kernels(attention_backend: str) -> str:
+    """The sampling kernels that go with a model's attention backend: the C++ ones with the
+    C++ attention (the CPU path), torch's otherwise."""
+    return "cpp" if attention_backend == "cpp" else "torch"
+
+
 class Sampler:
     """Samples one token per row of logits; the stages are in the module docstring.
     ``kernels="cpp"``: on the CPU, greedy rows take the C++ argmax (``greedy``) and random
@@ -304,6 +310,24 @@ def _draw_among_top_k(
         probs = apply_min_p(probs, knobs.min_p)
     picked = draw_tokens(probs, generators)  # [num_rows], ranks among the candidates
     return best_ids.gather(-1, picked[:, None]).squeeze(-1)
+
+
+def argmax_and_probs(
+    logits: torch.Tensor, rows: list[SamplingRow], kernels: str = "torch"
+) -> tuple[list[int], list[int], torch.Tensor | None]:
+    """What speculative decoding reads of a batch of rows (drafting, verifying): every row's
+    argmax after the logit stages (the greedy rows' token), the random rows' indices, and
+    their whole distributions normalized, [num_random, vocab] fp32 (None without random
+    rows). When no stage changes a row, the logits are read as they are (no fp32 copy)."""
+    if any(adjusts_logits(row) for row in rows):
+        logits = penalized_logits(logits, rows)  # an fp32 copy
+    argmax = greedy(logits, kernels).tolist()
+    random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
+    if not random_rows:
+        return argmax, random_rows, None
+    index = _tensor(random_rows, torch.int64, logits.device)
+    p = sampling_probs(logits[index], [rows[i] for i in random_rows])  # fp32
+    return argmax, random_rows, p / p.sum(dim=-1, keepdim=True)  # min-p leaves rows unnormalized
 
 
 def sampling_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

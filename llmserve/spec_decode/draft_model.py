@@ -30,7 +30,7 @@ from collections.abc import Callable
 import torch
 
 from llmserve.runner.inputs import Chunk, build_step_inputs
-from llmserve.runner.sampler import SamplingRow, draw_tokens, penalized_logits, sampling_probs
+from llmserve.runner.sampler import SamplingRow, argmax_and_probs, draw_tokens, sampler_kernels
 
 MAX_DECODE_ROWS = 16  # a longer catch-up (a new sequence's prompt) runs as a prefill chunk
 Proposal = tuple[list[int], torch.Tensor | None]  # drafts, their q rows [K, vocab] (sampled rows)
@@ -91,24 +91,21 @@ class DraftModelProposer:
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         logits = self.model.compute_logits(inputs.logits_rows(hidden))  # [num_items, vocab]
         rows = [make_row(item, drafts[item.seq.seq_id]) for item in items]
-        tokens, probs = draw(logits, rows)
+        tokens, probs = draw(logits, rows, sampler_kernels(self.attention_backend))
         for i, item in enumerate(items):
             drafts[item.seq.seq_id].append(tokens[i])
             if probs[i] is not None:
                 q_rows[item.seq.seq_id].append(probs[i])
 
 
-def draw(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list]:
+def draw(
+    logits: torch.Tensor, rows: list[SamplingRow], kernels: str = "torch"
+) -> tuple[list[int], list]:
     """One token per row as the target's sampler would draw it; for sampled rows also the
     normalized distribution it was drawn from."""
-    processed = penalized_logits(logits, rows)
-    tokens = processed.argmax(dim=-1).tolist()
+    tokens, random_rows, p = argmax_and_probs(logits, rows, kernels)
     probs: list[torch.Tensor | None] = [None] * len(rows)
-    random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
-    if random_rows:
-        index = torch.tensor(random_rows, device=logits.device)
-        p = sampling_probs(processed[index], [rows[i] for i in random_rows])
-        p = p / p.sum(dim=-1, keepdim=True)
+    if p is not None:
         sampled = draw_tokens(p, [rows[i].generator for i in random_rows]).tolist()
         for k, i in enumerate(random_rows):
             tokens[i], probs[i] = sampled[k], p[k]

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from llmserve.runner.logprobs import top_logprobs
-from llmserve.runner.sampler import SamplingRow, draw_tokens, penalized_logits, sampling_probs
+from llmserve.runner.sampler import SamplingRow, argmax_and_probs, draw_tokens
 
 Sample = tuple[int, dict[int, float] | None]  # token id, logprobs
 
@@ -39,20 +39,16 @@ class Verification:
     rows: list[SamplingRow]  # K + 1 rows: row j sees the output plus drafts[:j]
 
 
-def verify(logits: torch.Tensor, items: list[Verification]) -> list[list[Sample]]:
+def verify(
+    logits: torch.Tensor, items: list[Verification], kernels: str = "torch"
+) -> list[list[Sample]]:
     """``logits`` [sum(K_i + 1), vocab] raw target rows, item by item; returns each item's
-    accepted drafts plus one target token (1 .. K + 1 tokens), with logprobs where asked."""
+    accepted drafts plus one target token (1 .. K + 1 tokens), with logprobs where asked.
+    ``kernels``: the sampler's (``"cpp"``: the C++ argmax on the CPU)."""
     rows = [row for item in items for row in item.rows]
     assert logits.shape[0] == len(rows), (logits.shape, len(rows))
-    processed = penalized_logits(logits, rows)  # [num_rows, vocab] fp32
-    argmax = processed.argmax(dim=-1).tolist()
-    random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
-    probs = {}
-    if random_rows:
-        index = torch.tensor(random_rows, device=logits.device)
-        p = sampling_probs(processed[index], [rows[i] for i in random_rows])
-        p = p / p.sum(dim=-1, keepdim=True)  # min-p leaves rows unnormalized
-        probs = {r: p[k] for k, r in enumerate(random_rows)}
+    argmax, random_rows, p = argmax_and_probs(logits, rows, kernels)
+    probs = {r: p[k] for k, r in enumerate(random_rows)}
     tokens: list[list[int]] = []
     first = 0
     for item in items:
