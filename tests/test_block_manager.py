@@ -82,6 +82,37 @@ def test_prefix_cache_hit_and_counters():
     engine.bm.check_idle()
 
 
+def test_prompts_admitted_in_one_step_share_the_prefix_computed_in_it():
+    engine = FakeEngine(num_blocks=32, block_size=4)
+    prefix = list(range(1, 10))  # 9 tokens: 2 full blocks shared, then the prompts differ
+    first, second = (make_request(r, 0, prompt=prefix + [t]) for r, t in (("a", 50), ("b", 51)))
+    engine.add(first)
+    engine.add(second)
+    out = engine.step()  # both admitted in one step: b reads a's two blocks, computed beside it
+    a, b = first.seqs[0], second.seqs[0]
+    assert [s.num_tokens for s in out.scheduled] == [10, 10 - 8]
+    assert b.block_ids[:2] == a.block_ids[:2] and b.num_cached_tokens == 8
+    assert engine.bm.num_prefix_hits == 8 and not engine.bm.in_step
+    assert engine.bm.cached_blocks  # registered once the step computed them
+    engine.run()
+    engine.bm.check_idle()
+
+
+def test_blocks_of_a_failed_step_are_never_cached():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    a, b = _seq(list(range(1, 10))), _seq(list(range(1, 10)) + [77])
+    bm.allocate(a, 9)
+    bm.offer_in_step(a, 9)
+    assert bm.acquire_cached_prefix(b) == 8  # shared within the step
+    bm.in_step.clear()  # the step is planned; its forward pass fails: nobody caches
+    bm.free(b)
+    bm.free(a)
+    assert not bm.cached_blocks and not bm.evictable
+    c = _seq(list(range(1, 10)))
+    assert bm.acquire_cached_prefix(c) == 0  # nothing to read that holds no K/V
+    bm.check_idle()
+
+
 def test_fully_cached_prompt_still_computes_last_block():
     engine = FakeEngine(num_blocks=32, block_size=4)
     prompt = list(range(1, 9))  # exactly 2 blocks

@@ -48,6 +48,22 @@ def test_second_pass_hits_prefix_cache(llm, hf_greedy_reference):
     assert_no_leaks(llm)
 
 
+@pytest.mark.parametrize("backend", ["cpp", "torch"])
+def test_prompts_of_one_step_share_the_prefix_computed_in_it(backend):
+    """Prompts admitted together read the blocks of their common prefix that the first of
+    them computes in the same forward pass; the tokens are those computed without sharing."""
+    prefix = "CREATE TABLE users (id INTEGER, name TEXT, email TEXT, created_at DATE);\n" * 3
+    prompts = [prefix + "-- the name of user 7\nSELECT", prefix + "-- how many users\nSELECT"]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    shared = LLM(kv_cache_memory=64 << 20, max_model_len=512, attention_backend=backend)
+    got = shared.generate(prompts, params, use_tqdm=False)
+    plain = LLM(kv_cache_memory=64 << 20, max_model_len=512, enable_prefix_caching=False)
+    want = plain.generate(prompts, params, use_tqdm=False)
+    assert _token_ids(got) == _token_ids(want)
+    assert got[0].num_cached_tokens == 0 and got[1].num_cached_tokens >= 48  # a fresh engine
+    assert_no_leaks(shared)
+
+
 def test_tiny_token_budget_forces_chunked_prefill(hf_greedy_reference):
     llm = LLM(
         kv_cache_memory=64 << 20,

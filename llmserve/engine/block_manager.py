@@ -11,7 +11,8 @@ blocks; the first one to append into a shared *partial* block gets a private cop
 (copy-on-write, recorded in ``blocks_to_copy`` for the runner to apply).
 
 Prefix caching: every *full* block gets a hash chained over all tokens before it. A new
-sequence whose leading blocks hash the same reuses them. Blocks whose reference count drops
+sequence whose leading blocks hash the same reuses them, cached or computed in the same step
+by a sequence scheduled before it (``offer_in_step``). Blocks whose reference count drops
 to zero keep their hash and wait in an LRU list; they are evicted (hash forgotten) only when
 a fresh block is needed and no never-used block is left.
 
@@ -52,6 +53,7 @@ class BlockManager:
         self.cached_blocks: dict[int, int] = {}  # hash -> block id
         self.free_ids: deque[int] = deque(range(num_blocks))  # never used or hash dropped
         self.evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; LRU first
+        self.in_step: dict[int, int] = {}  # hash -> block id: full blocks this step computes
         self.blocks_to_copy: list[tuple[int, int]] = []  # (src, dst) copies pending this step
         self.num_swap_blocks = num_swap_blocks
         self.free_swap_ids: deque[int] = deque(range(num_swap_blocks))
@@ -176,7 +178,7 @@ class BlockManager:
         if len(hashes) * self.block_size == seq.num_tokens:
             hashes = hashes[:-1]  # keep the last block to compute
         for block_hash in hashes:
-            block_id = self.cached_blocks.get(block_hash)
+            block_id = self.cached_blocks.get(block_hash, self.in_step.get(block_hash))
             if block_id is None:
                 break
             self._acquire(block_id)
@@ -186,6 +188,25 @@ class BlockManager:
         self.num_prefix_queries += seq.num_tokens
         self.num_prefix_hits += num_hit_tokens
         return num_hit_tokens
+
+    def offer_in_step(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Let sequences admitted later in this step share the full blocks that ``seq``'s next
+        ``num_new_tokens`` tokens complete (``in_step``, cleared by the scheduler when the step
+        is planned): a forward pass writes every token's K/V before any attention reads them,
+        so a prompt that shares a prefix with one computed beside it need not compute it too.
+        The blocks enter the cache proper once computed (``cache_full_blocks``): a step that
+        fails leaves no block cached that holds no K/V."""
+        if not self.enable_prefix_caching:
+            return
+        block_hash = seq.block_hashes[-1] if seq.block_hashes else None
+        end = (seq.num_computed_tokens + num_new_tokens) // self.block_size
+        for i in range(len(seq.block_hashes), end):
+            start = i * self.block_size
+            block_hash = hash_block(
+                block_hash, tuple(seq.token_ids[start : start + self.block_size])
+            )
+            if block_hash not in self.cached_blocks:
+                self.in_step.setdefault(block_hash, seq.block_ids[i])
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register the blocks that ``seq`` filled completely since the last call."""

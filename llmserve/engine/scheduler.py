@@ -74,10 +74,13 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
-        num_admitted = 0
-        if out.num_preempted == 0 and self.waiting and self.policy.may_admit(self, budget):
-            num_admitted = self._schedule_waiting(out, budget)
+        try:
+            budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+            num_admitted = 0
+            if out.num_preempted == 0 and self.waiting and self.policy.may_admit(self, budget):
+                num_admitted = self._schedule_waiting(out, budget)
+        finally:
+            self.block_manager.in_step.clear()  # valid while this one step is planned
         self.policy.after_step(num_admitted)
         # One query token = decode attention (query at the last position), whatever its kind;
         # drafts to verify run as decode rows too (runner/inputs.py).
@@ -202,6 +205,7 @@ class Scheduler:
             if not self._make_room(seq, num_tokens, scheduled, out):
                 continue
             self.block_manager.allocate(seq, num_tokens)
+            self.block_manager.offer_in_step(seq, num_tokens)
             out.scheduled.append(ScheduledSeq(seq, num_tokens, self._num_samples(seq, num_tokens)))
             scheduled.add(seq.seq_id)
             budget -= num_tokens
@@ -277,6 +281,7 @@ class Scheduler:
             return 0
         self.waiting.remove(seq)
         self.block_manager.allocate(seq, num_tokens)
+        self.block_manager.offer_in_step(seq, num_tokens)
         self._start_running(seq)
         if seq.request.metrics.first_scheduled_time is None:
             seq.request.metrics.first_scheduled_time = time.monotonic()
