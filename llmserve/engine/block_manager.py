@@ -174,7 +174,7 @@ class BlockManager:
         assert not seq.block_ids and seq.num_computed_tokens == 0
         if not self.enable_prefix_caching:
             return 0
-        hashes = self._full_block_hashes(seq.token_ids)
+        hashes = self._new_block_hashes(seq, seq.num_tokens // self.block_size)
         if len(hashes) * self.block_size == seq.num_tokens:
             hashes = hashes[:-1]  # keep the last block to compute
         for block_hash in hashes:
@@ -198,13 +198,9 @@ class BlockManager:
         fails leaves no block cached that holds no K/V."""
         if not self.enable_prefix_caching:
             return
-        block_hash = seq.block_hashes[-1] if seq.block_hashes else None
         end = (seq.num_computed_tokens + num_new_tokens) // self.block_size
-        for i in range(len(seq.block_hashes), end):
-            start = i * self.block_size
-            block_hash = hash_block(
-                block_hash, tuple(seq.token_ids[start : start + self.block_size])
-            )
+        first = len(seq.block_hashes)
+        for i, block_hash in enumerate(self._new_block_hashes(seq, end), first):
             if block_hash not in self.cached_blocks:
                 self.in_step.setdefault(block_hash, seq.block_ids[i])
 
@@ -213,10 +209,8 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         num_full = seq.num_computed_tokens // self.block_size
-        for i in range(len(seq.block_hashes), num_full):
-            parent = seq.block_hashes[-1] if seq.block_hashes else None
-            start = i * self.block_size
-            block_hash = hash_block(parent, tuple(seq.token_ids[start : start + self.block_size]))
+        first = len(seq.block_hashes)
+        for i, block_hash in enumerate(self._new_block_hashes(seq, num_full), first):
             seq.block_hashes.append(block_hash)
             block_id = seq.block_ids[i]
             if block_hash not in self.cached_blocks and block_id not in self.block_hash:
@@ -239,11 +233,15 @@ class BlockManager:
             raise AssertionError(f"leaked swap slots ({len(self.free_swap_ids)} free)")
 
     # ---- internals --------------------------------------------------------------------
-    def _full_block_hashes(self, token_ids: list[int]) -> list[int]:
+    def _new_block_hashes(self, seq: Sequence, end: int) -> list[int]:
+        """The chained hashes of ``seq``'s blocks from the first not yet in ``block_hashes``
+        up to block ``end`` (exclusive)."""
         hashes: list[int] = []
-        for start in range(0, len(token_ids) - self.block_size + 1, self.block_size):
-            parent = hashes[-1] if hashes else None
-            hashes.append(hash_block(parent, tuple(token_ids[start : start + self.block_size])))
+        parent = seq.block_hashes[-1] if seq.block_hashes else None
+        for i in range(len(seq.block_hashes), end):
+            start = i * self.block_size
+            parent = hash_block(parent, tuple(seq.token_ids[start : start + self.block_size]))
+            hashes.append(parent)
         return hashes
 
     def _needs_copy_on_write(self, seq: Sequence) -> bool:
