@@ -71,14 +71,13 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (logits.shape, len(rows))
         raw_logits = logits  # [num_rows, vocab_size]
-        if any(adjusts_logits(row) for row in rows):
-            logits = penalized_logits(logits, rows)  # an fp32 copy
+        logits = penalized_logits(logits, rows)
         sampled = _sample(logits, rows, self.kernels)  # [num_rows]
         logprobs = _sampled_logprobs(raw_logits, rows, sampled)
         return SamplerOutput(sampled_token_ids=sampled.tolist(), logprobs=logprobs)
 
 
-def adjusts_logits(row: SamplingRow) -> bool:
+def _adjusts_logits(row: SamplingRow) -> bool:
     """Whether logit_bias, the min_tokens mask or a penalty may change this row's logits."""
     params = row.params
     return (
@@ -89,7 +88,11 @@ def adjusts_logits(row: SamplingRow) -> bool:
 
 
 def penalized_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """fp32 ``logits`` after logit_bias, the min_tokens mask and the penalties."""
+    """``logits`` after logit_bias, the min_tokens mask and the penalties: an fp32 copy, or
+    the logits themselves (any dtype, no copy) when none of these acts on any row (greedy
+    takes the same argmax from them: widening keeps the order)."""
+    if not any(_adjusts_logits(row) for row in rows):
+        return logits
     logits = logits.float()  # may alias the caller's tensor: every stage is out of place
     logits = apply_logit_bias(logits, rows)
     logits = apply_min_tokens(logits, rows)
@@ -319,8 +322,7 @@ def argmax_and_probs(
     argmax after the logit stages (the greedy rows' token), the random rows' indices, and
     their whole distributions normalized, [num_random, vocab] fp32 (None without random
     rows). When no stage changes a row, the logits are read as they are (no fp32 copy)."""
-    if any(adjusts_logits(row) for row in rows):
-        logits = penalized_logits(logits, rows)  # an fp32 copy
+    logits = penalized_logits(logits, rows)
     argmax = greedy(logits, kernels).tolist()
     random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
     if not random_rows:
