@@ -200,6 +200,8 @@ class BlockManager:
             return
         end = (seq.num_computed_tokens + num_new_tokens) // self.block_size
         first = len(seq.block_hashes)
+        if end <= first:  # a decode row 15 steps in 16: nothing to offer
+            return
         for i, block_hash in enumerate(self._new_block_hashes(seq, end), first):
             if block_hash not in self.cached_blocks:
                 self.in_step.setdefault(block_hash, seq.block_ids[i])
