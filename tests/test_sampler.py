@@ -233,15 +233,17 @@ def test_cpp_top_p_and_min_p_keep_what_torch_keeps():
         assert (counts / num - probs).abs().max() < 1e-3  # the inverse CDF, exactly spread
 
 
-def test_rows_with_a_top_k_draw_from_the_full_pipelines_distribution():
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_rows_with_a_top_k_draw_from_the_full_pipelines_distribution(kernels):
     """Every row with a top_k: the draw among each row's best logits (the same on either
     ``kernels``) follows the distribution of the whole-vocabulary pipeline
     (``sampling_probs``)."""
+    needs_cpp(kernels)
     logits = torch.randn(60) * 2
     params = SamplingParams(temperature=0.7, top_k=12, top_p=0.8, min_p=0.1)
     expected = sampling_probs(logits[None], [make_row(params)])[0]
     expected = expected / expected.sum()
-    samples = sample_many(logits, params, 40000)
+    samples = sample_many(logits, params, 40000, kernels)
     freqs = torch.bincount(samples, minlength=60).float() / 40000
     assert set(samples.tolist()) == set(expected.nonzero().flatten().tolist())
     assert (freqs - expected).abs().max() < 0.015
