@@ -1,11 +1,40 @@
-"""Turn a stream of generated token ids into a stream of text deltas."""
+"""Turn a stream of generated token ids into a stream of text deltas.
+
+``make_detokenizer`` picks one of two with the same interface (``append``, ``finish``,
+``output_text``) and the same deltas:
+
+- ``StreamDetokenizer`` for a fast (Rust ``tokenizers``) tokenizer: the library's own
+  ``DecodeStream``, one step per token (SmolLM2's tokenizer, 4,684 tokens of pydoc text: 0.6
+  us a token against 4.4 for the window below; about 0.25 ms of a 31 ms decode step at batch
+  64, where every running sequence decodes its token);
+- ``IncrementalDetokenizer`` for any other: two ``tokenizer.decode`` calls a token over a
+  small window.
+"""
 
 from collections.abc import Sequence
 from typing import Any
 
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
+
 # Prompt tokens kept as left context, so the first output token decodes as it would mid-text.
 _NUM_CONTEXT_TOKENS = 5
+_MAX_CONTEXT_TOKENS = 24  # StreamDetokenizer: looked back at most this far for a clean start
 _REPLACEMENT_CHAR = "\ufffd"
+
+
+def make_detokenizer(
+    tokenizer: Any, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True
+) -> "IncrementalDetokenizer | StreamDetokenizer":
+    """The fast detokenizer where the tokenizer's backend is a ``tokenizers.Tokenizer`` whose
+    ``decode`` adds nothing to the backend's (no ``clean_up_tokenization_spaces``), else the
+    window one."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if isinstance(backend, Tokenizer) and not getattr(
+        tokenizer, "clean_up_tokenization_spaces", False
+    ):
+        return StreamDetokenizer(backend, prompt_token_ids, skip_special_tokens)
+    return IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
 
 
 class IncrementalDetokenizer:
@@ -70,3 +99,78 @@ class IncrementalDetokenizer:
     def finish(self) -> str:
         """Return the held-back tail (e.g. an incomplete character, as U+FFFD) at the end."""
         return self._emit(self._pending_text())
+
+
+class StreamDetokenizer:
+    """The same deltas as ``IncrementalDetokenizer`` from ``tokenizers``' ``DecodeStream``,
+    which keeps its own window and holds back a token that ends inside a UTF-8 character
+    (``step`` returns None) until a later one completes it.
+
+    The stream is primed with the prompt's last tokens (at least ``_NUM_CONTEXT_TOKENS``, more
+    where those start inside a character), so the first output token decodes as it would
+    mid-text. ``finish`` decodes what is still held back beside the last few tokens emitted,
+    as the window detokenizer does (an incomplete character comes out as U+FFFD)."""
+
+    def __init__(
+        self,
+        backend: Tokenizer,
+        prompt_token_ids: Sequence[int],
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self.backend = backend
+        self.skip_special_tokens = skip_special_tokens
+        self.stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        context = self._clean_suffix(list(prompt_token_ids))
+        for token_id in context:
+            self.stream.step(backend, token_id)
+        self._recent = context[-_NUM_CONTEXT_TOKENS:]  # the last tokens emitted (or primed)
+        self._held: list[int] = []  # tokens since the last delta
+        self._output_text = ""
+
+    def _clean_suffix(self, prompt_token_ids: list[int]) -> list[int]:
+        """The prompt's last tokens, from the first place past ``_NUM_CONTEXT_TOKENS`` back
+        that does not start inside a character (``_MAX_CONTEXT_TOKENS`` at most)."""
+        longest = min(len(prompt_token_ids), _MAX_CONTEXT_TOKENS)
+        for n in range(min(_NUM_CONTEXT_TOKENS, longest), longest + 1):
+            suffix = prompt_token_ids[len(prompt_token_ids) - n :]
+            if _REPLACEMENT_CHAR not in self._decode(suffix):
+                return suffix
+        return prompt_token_ids[len(prompt_token_ids) - longest :]
+
+    @property
+    def output_text(self) -> str:
+        """All text emitted so far (the concatenated deltas)."""
+        return self._output_text
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.backend.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
+
+    def _emit(self, delta: str) -> str:
+        self._recent = (self._recent + self._held)[-_NUM_CONTEXT_TOKENS:]
+        self._held = []
+        self._output_text += delta
+        return delta
+
+    def _held_text(self) -> str:
+        """The held tokens' text, decoded beside the last tokens emitted (the window way)."""
+        prefix_text = self._decode(self._recent)
+        new_text = self._decode(self._recent + self._held)
+        return new_text[len(prefix_text) :] if len(new_text) > len(prefix_text) else ""
+
+    def append(self, token_id: int) -> str:
+        """Add one generated token; return the text it completes ("" if none yet)."""
+        self._held.append(token_id)
+        try:
+            delta = self.stream.step(self.backend, token_id)
+        except Exception:  # DecodeStream refuses a prefix that now decodes otherwise
+            delta = self._held_text()  # this token the window way, and a fresh stream after it
+            self.stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
+            for context_id in self._recent + self._held:
+                self.stream.step(self.backend, context_id)
+            if delta.endswith(_REPLACEMENT_CHAR):
+                return ""
+        return self._emit(delta) if delta else ""
+
+    def finish(self) -> str:
+        """Return the held-back tail (e.g. an incomplete character, as U+FFFD) at the end."""
+        return self._emit(self._held_text()) if self._held else ""

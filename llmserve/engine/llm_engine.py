@@ -16,7 +16,7 @@ from typing import Any
 from llmserve.config import EngineConfig
 from llmserve.engine.beam_search import BeamState, Hypothesis, final_ranking
 from llmserve.engine.block_manager import BlockManager
-from llmserve.engine.detokenizer import IncrementalDetokenizer
+from llmserve.engine.detokenizer import make_detokenizer
 from llmserve.engine.output_processor import make_request_output, process_sample
 from llmserve.engine.scheduler import Scheduler
 from llmserve.engine.scheduler_output import SchedulerOutput
@@ -227,7 +227,7 @@ class LLMEngine:
                 self._beam_progress(seq)
                 continue
             if seq.detokenizer is None:
-                seq.detokenizer = IncrementalDetokenizer(
+                seq.detokenizer = make_detokenizer(
                     self.tokenizer,
                     seq.request.prompt_token_ids,
                     seq.request.params.skip_special_tokens,

@@ -66,7 +66,7 @@ class Sequence:
     logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
-    detokenizer: Any = None  # IncrementalDetokenizer, set by the engine
+    detokenizer: Any = None  # make_detokenizer's, set by the engine
     grammar: Any = None  # structured output: the matcher of this sequence's tokens so far
     draft_num_computed_tokens: int = 0  # speculative draft model: its KV is valid up to here
     output_text: str = ""
