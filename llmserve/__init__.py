@@ -2,13 +2,14 @@
 
 from llmserve.llm import LLM
 from llmserve.outputs import BeamSearchOutput, CompletionOutput, RequestOutput
-from llmserve.sampling_params import BeamSearchParams, SamplingParams
+from llmserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from llmserve.structured_output import StructuredOutputsParams
 
 __version__ = "0.1.0"
 __all__ = [
     "LLM",
     "SamplingParams",
+    "RequestOutputKind",
     "BeamSearchParams",
     "BeamSearchOutput",
     "StructuredOutputsParams",

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from tqdm.auto import tqdm
 
 from llmserve.engine.llm_engine import LLMEngine, PromptType
 from llmserve.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
-from llmserve.sampling_params import BeamSearchParams, SamplingParams
+from llmserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -38,8 +39,13 @@ class LLM:
         params = self._per_prompt(sampling_params, len(prompts))
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority has {len(priority)} entries for {len(prompts)} prompts")
+        final_only: dict[int, SamplingParams] = {}  # each params once: prompts often share one
         request_ids = []
         for i, (prompt, p) in enumerate(zip(prompts, params)):
+            # only finished requests are returned: no per-step outputs of the others
+            if id(p) not in final_only:
+                final_only[id(p)] = replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
+            p = final_only[id(p)]
             request_id = f"offline-{self._counter}"
             self._counter += 1
             self.llm_engine.add_request(request_id, prompt, p, priority[i] if priority else 0)

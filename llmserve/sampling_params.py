@@ -6,11 +6,20 @@ Every invalid value raises ``ValueError`` naming the field and the allowed range
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 from llmserve.structured_output.params import StructuredOutputsParams
 
 _SAMPLING_EPS = 1e-5
+
+
+class RequestOutputKind(enum.Enum):
+    """Which outputs ``LLMEngine.step`` returns for a request (vLLM's names and values)."""
+
+    CUMULATIVE = 0  # after every step that changed it, everything produced so far
+    DELTA = 1  # after every step that changed it, only what that step added
+    FINAL_ONLY = 2  # once, when it finishes (what ``LLM.generate`` asks for)
 
 
 @dataclass
@@ -44,6 +53,8 @@ class SamplingParams:
             ``LLM.beam_search`` is the usual way in).
         length_penalty: beam search: a finished beam scores ``cumulative_logprob /
             generated_length ** length_penalty``.
+        output_kind: which outputs the engine's step returns (``RequestOutputKind``);
+            ``LLM.generate`` sets FINAL_ONLY, since it returns finished requests only.
     """
 
     n: int = 1
@@ -68,6 +79,7 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     use_beam_search: bool = False
     length_penalty: float = 1.0
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         self.structured_outputs = StructuredOutputsParams.from_any(self.structured_outputs)
@@ -153,6 +165,12 @@ class SamplingParams:
         )
         for bias in (self.logit_bias or {}).values():
             _check(-100.0 <= bias <= 100.0, "logit_bias", bias, "values in [-100, 100]")
+        _check(
+            isinstance(self.output_kind, RequestOutputKind),
+            "output_kind",
+            self.output_kind,
+            "a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY)",
+        )
 
     @property
     def is_greedy(self) -> bool:

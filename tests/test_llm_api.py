@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from llmserve import LLM, SamplingParams
+from llmserve import LLM, RequestOutputKind, SamplingParams
 from tests.conftest import assert_no_leaks
 
 SQL = "Write SQL that counts rows of t."
@@ -181,3 +181,55 @@ def test_abort_frees_blocks(llm):
     engine.abort_request("to-abort")
     assert not engine.has_unfinished_requests()
     engine.block_manager.check_idle()
+
+
+def test_output_kinds_of_the_engine_step(llm):
+    """CUMULATIVE returns everything so far after each step, DELTA only what the step added,
+    FINAL_ONLY one output at the end; all three end with the same text, tokens and logprobs.
+    The prompt is shorter than a KV block, so no request reads another's cached prefix and the
+    three greedy rows compute alike; the stop string (never met) holds text back each step."""
+    engine = llm.llm_engine
+    kinds = list(RequestOutputKind)
+    for kind in kinds:
+        params = SamplingParams(
+            temperature=0, max_tokens=24, logprobs=1, stop=["zzqx"], output_kind=kind
+        )
+        engine.add_request(kind.name, "Write a SQL query", params)
+    outputs = {kind.name: [] for kind in kinds}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            outputs[output.request_id].append(output)
+    cumulative, delta, final = (outputs[k] for k in ("CUMULATIVE", "DELTA", "FINAL_ONLY"))
+    assert len(final) == 1 and final[0].finished
+    assert len(cumulative) == len(delta) == 24 and cumulative[-1].finished and delta[-1].finished
+    texts = [o.outputs[0].text for o in cumulative]
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))
+    assert all(o.outputs[0].token_ids == cumulative[-1].outputs[0].token_ids[: i + 1]
+               for i, o in enumerate(cumulative))  # fmt: skip
+    assert "".join(o.outputs[0].text for o in delta) == texts[-1] == final[0].outputs[0].text
+    assert [len(o.outputs[0].token_ids) for o in delta] == [1] * 24
+    joined = [t for o in delta for t in o.outputs[0].token_ids]
+    assert joined == cumulative[-1].outputs[0].token_ids == final[0].outputs[0].token_ids
+    assert [lp for o in delta for lp in o.outputs[0].logprobs] == final[0].outputs[0].logprobs
+    assert len(delta[-1].outputs[0].text) >= 3  # the last 3 characters were held back until then
+    engine.block_manager.check_idle()
+
+
+def test_generate_asks_for_final_outputs_only_and_leaves_the_params_alone(llm):
+    params = SamplingParams(temperature=0, max_tokens=8)
+    seen = []
+    original_step = llm.llm_engine.step
+
+    def step():
+        outputs = original_step()
+        seen.extend(outputs)
+        return outputs
+
+    llm.llm_engine.step = step
+    try:
+        result = llm.generate(["Write a SQL query", "Hello"], params, use_tqdm=False)
+    finally:
+        del llm.llm_engine.step
+    assert params.output_kind is RequestOutputKind.CUMULATIVE
+    assert len(seen) == 2 and all(o.finished for o in seen)
+    assert [len(r.outputs[0].token_ids) for r in result] == [8, 8]

@@ -26,7 +26,7 @@ from llmserve.engine.output_processor import make_request_output
 from llmserve.engine.scheduler import Scheduler
 from llmserve.engine.sequence import FinishReason
 from llmserve.outputs import CompletionOutput, RequestOutput
-from llmserve.sampling_params import SamplingParams
+from llmserve.sampling_params import RequestOutputKind, SamplingParams
 from tests.fake_engine import make_request
 
 TIMEOUT_S = 30
@@ -161,6 +161,18 @@ def test_concurrent_requests_share_steps():
         outputs = await asyncio.gather(*(final(engine, f"r{i}") for i in range(8)))
         assert all(o.finished and o.outputs[0].token_ids == [7] * 4 for o in outputs)
         assert stub.stats.max_batched_seqs > 1
+
+    run(body)
+
+
+def test_delta_outputs_are_refused_and_others_go_on():
+    """A stream keeps the newest output only: deltas would be lost, so they are refused."""
+
+    async def body(engine, stub):
+        params = SamplingParams(max_tokens=4, output_kind=RequestOutputKind.DELTA)
+        with pytest.raises(ValueError, match="DELTA is not supported"):
+            await engine.add_request("delta", [1, 2, 3], params)
+        assert (await final(engine, "good")).finished
 
     run(body)
 

@@ -33,7 +33,7 @@ from typing import Any
 
 from llmserve.engine.llm_engine import LLMEngine, PromptType
 from llmserve.outputs import RequestOutput
-from llmserve.sampling_params import SamplingParams
+from llmserve.sampling_params import RequestOutputKind, SamplingParams
 from llmserve.spec_decode.stats import SpecDecodeStats
 
 logger = logging.getLogger(__name__)
@@ -208,6 +208,7 @@ class AsyncLLMEngine:
         priority: int = 0,
     ) -> RequestStream:
         """Queue a request; raises ValueError (cannot fit), EngineOverloaded, EngineClosed."""
+        check_streamable(params)
         self._check_can_add()
         stream = RequestStream(request_id)
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
@@ -391,6 +392,16 @@ def check_can_add(is_open: bool, num_waiting: int, max_num_waiting: int | None) 
         raise EngineOverloadedError(
             f"{num_waiting} requests are waiting already (--max-num-waiting "
             f"{max_num_waiting}); retry later"
+        )
+
+
+def check_streamable(params: SamplingParams) -> None:
+    """A RequestStream keeps a request's newest output, so each must hold all before it."""
+    if params.output_kind is RequestOutputKind.DELTA:
+        raise ValueError(
+            "output_kind DELTA is not supported by the async engine: a request's stream keeps "
+            "its newest output, which must be cumulative; use CUMULATIVE (the default) or "
+            "FINAL_ONLY"
         )
 
 

@@ -29,6 +29,7 @@ from llmserve.engine.async_engine import (
     EngineStepError,
     RequestStream,
     check_can_add,
+    check_streamable,
     stream_outputs,
 )
 from llmserve.engine.core_process import run_engine_core
@@ -128,6 +129,7 @@ class EngineCoreClient:
         self, request_id: str, prompt, params: SamplingParams, priority: int = 0
     ) -> RequestStream:
         """Queue a request; raises ValueError (cannot fit), EngineOverloaded, EngineClosed."""
+        check_streamable(params)
         self._check_can_add()
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")

@@ -22,7 +22,7 @@ from llmserve.engine.scheduler import Scheduler
 from llmserve.engine.scheduler_output import SchedulerOutput
 from llmserve.engine.sequence import FinishReason, Request, Sequence
 from llmserve.outputs import RequestOutput
-from llmserve.sampling_params import SamplingParams
+from llmserve.sampling_params import RequestOutputKind, SamplingParams
 from llmserve.structured_output.grammar import GrammarCompiler
 
 logger = logging.getLogger(__name__)
@@ -242,7 +242,11 @@ class LLMEngine:
             if request.beam is not None and request.is_finished and request.beam.results is None:
                 self._beam_results(request)
                 changed[request.request_id] = request
-        return [make_request_output(r) for r in changed.values()]
+        return [
+            make_request_output(r)
+            for r in changed.values()
+            if r.is_finished or r.params.output_kind is not RequestOutputKind.FINAL_ONLY
+        ]
 
     def _beam_progress(self, seq: Sequence) -> None:
         """A beam that reached max_tokens (or max_model_len) ends as a candidate result."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 from llmserve.engine.scheduler_output import SampledSeq
 from llmserve.engine.sequence import FinishReason, Request, Sequence
 from llmserve.outputs import CompletionOutput, RequestOutput
+from llmserve.sampling_params import RequestOutputKind
 
 
 def process_sample(
@@ -61,23 +62,33 @@ def _match_stop_string(seq: Sequence, delta_len: int) -> bool:
 
 
 def make_request_output(request: Request) -> RequestOutput:
-    """A snapshot of everything the request produced so far."""
+    """A snapshot of everything the request produced so far; for a DELTA request, of what it
+    produced since the last one (which this call then counts as sent)."""
     params = request.params
     if request.beam is not None:
         return _beam_output(request)
     holdback = max((len(s) for s in params.stop), default=1) - 1
+    delta = params.output_kind is RequestOutputKind.DELTA
     outputs = []
     for seq in request.seqs[: len(request.seqs) if request.is_forked else 1]:
         text = seq.output_text
         if not seq.is_finished and holdback:
             text = text[: max(0, len(text) - holdback)]
+        token_ids, logprobs = seq.output_token_ids, seq.logprobs
+        if delta:  # from where the last output ended
+            text, seq.num_sent_chars = (
+                text[seq.num_sent_chars :],
+                max(seq.num_sent_chars, len(text)),
+            )
+            token_ids, logprobs = token_ids[seq.num_sent_tokens :], logprobs[seq.num_sent_tokens :]
+            seq.num_sent_tokens = seq.num_output_tokens
         outputs.append(
             CompletionOutput(
                 index=seq.index,
                 text=text,
-                token_ids=list(seq.output_token_ids),
+                token_ids=list(token_ids),
                 cumulative_logprob=seq.cumulative_logprob if params.logprobs is not None else None,
-                logprobs=list(seq.logprobs) if params.logprobs is not None else None,
+                logprobs=list(logprobs) if params.logprobs is not None else None,
                 finish_reason=seq.finish_reason.value if seq.finish_reason else None,
                 stop_reason=seq.stop_reason,
             )

@@ -70,6 +70,8 @@ class Sequence:
     grammar: Any = None  # structured output: the matcher of this sequence's tokens so far
     draft_num_computed_tokens: int = 0  # speculative draft model: its KV is valid up to here
     output_text: str = ""
+    num_sent_chars: int = 0  # a DELTA request's text and tokens already in its outputs
+    num_sent_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
