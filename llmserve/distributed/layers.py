@@ -26,9 +26,10 @@ import torch.distributed as dist
 from torch import nn
 
 from llmserve.distributed.plan import RankShard
+from llmserve.layers.module import Module
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(Module):
     """Rows ``vocab[0]..vocab[1]`` of the table (padded to ``vocab_per_rank``), looked up by
     ``embed`` (an ``nn.Embedding``, or a ``QuantEmbedding`` whose blocks stay quantized)."""
 
@@ -45,7 +46,7 @@ class VocabParallelEmbedding(nn.Module):
         return x
 
 
-class ParallelLMHead(nn.Module):
+class ParallelLMHead(Module):
     """Logits of this rank's vocabulary rows (``head``: a linear layer, float or quantized,
     ``[vocab_per_rank, hidden]``), gathered from every rank: ``[N, vocab]``."""
 

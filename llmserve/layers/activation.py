@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
 from torch.nn import functional as F
 
 from llmserve.kernels import cpu as cpu_kernels
+from llmserve.layers.module import Module
 
 
-class SiluAndMul(nn.Module):
+class SiluAndMul(Module):
     """``x: [..., 2 * d] -> silu(x[..., :d]) * x[..., d:]``; ``kernels``: torch, cpp or triton."""
 
     def __init__(self, kernels: str = "torch"):

@@ -12,6 +12,7 @@ from torch import nn
 
 from llmserve.kernels import cpu as cpu_kernels
 from llmserve.layers.attention_metadata import AttentionMetadata
+from llmserve.layers.module import Module
 from llmserve.layers.paged_attention_eager import ScoreOptions, paged_attention_eager
 from llmserve.layers.paged_attention_torch import TorchAttentionPlan, paged_attention_torch
 
@@ -20,7 +21,7 @@ KVCache = tuple[
 ]  # k, v: [num_blocks, block_size, num_kv_heads, head_dim]
 
 
-class Attention(nn.Module):
+class Attention(Module):
     """Writes this step's K/V into the pool, then attends over each sequence's context."""
 
     def __init__(

@@ -61,6 +61,7 @@ from torch import nn
 
 from llmserve.cpuinfo import is_amd_zen4, is_amd_zen5
 from llmserve.kernels import cpu as cpu_kernels
+from llmserve.layers.module import Module
 from llmserve.memory import HugePageArena, movable, release_freed_memory
 
 logger = logging.getLogger(__name__)
@@ -126,7 +127,7 @@ def own_bf16_gemm_rows(out_features: int, in_features: int) -> int:
     return BF16_DECODE_ROWS if out_features <= MAX_OWN_GEMM_FEATURES else BF16_WIDE_ROWS
 
 
-class PackedLinear(nn.Module):
+class PackedLinear(Module):
     """``y = x @ W^T + b`` with ``W`` prepacked for llmserve's fp32 or bf16 GEMM or oneDNN
     (inference only)."""
 

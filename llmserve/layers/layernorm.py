@@ -7,9 +7,10 @@ from torch import nn
 from torch.nn import functional as F
 
 from llmserve.kernels import cpu as cpu_kernels
+from llmserve.layers.module import Module
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(Module):
     """``x / rms(x) * weight``; with ``residual`` it returns ``(norm(x + residual), x + residual)``.
 
     ``kernels``: torch, cpp (one pass, and in place with the residual: the caller's ``x`` and
@@ -48,7 +49,7 @@ class RMSNorm(nn.Module):
         return (x32 * torch.rsqrt(variance + self.eps)).to(dtype) * self.weight
 
 
-class GemmaRMSNorm(nn.Module):
+class GemmaRMSNorm(Module):
     """Gemma's RMSNorm: ``x / rms(x) * (1 + weight)`` computed in float32 (weights stored as offsets)."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):

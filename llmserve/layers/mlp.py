@@ -11,6 +11,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from llmserve.layers.module import Module
+
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
@@ -38,7 +40,7 @@ def get_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     return ACTIVATIONS[name]
 
 
-class MLP(nn.Module):
+class MLP(Module):
     """``gated``: ``gate_up_proj`` holds gate then up rows; else ``up_proj``. Then ``down_proj``."""
 
     def __init__(

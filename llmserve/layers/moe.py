@@ -21,9 +21,10 @@ import torch
 from torch import nn
 
 from llmserve.layers.mlp import get_activation
+from llmserve.layers.module import Module
 
 
-class SparseMoE(nn.Module):
+class SparseMoE(Module):
     """``gate``: the router; ``w13 [E, 2 * I, hidden]`` gate then up rows; ``w2 [E, hidden, I]``."""
 
     def __init__(

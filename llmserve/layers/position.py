@@ -14,12 +14,12 @@ import math
 from typing import Any
 
 import torch
-from torch import nn
 
+from llmserve.layers.module import Module
 from llmserve.layers.rotary import compute_inv_freq
 
 
-class Rope(nn.Module):
+class Rope(Module):
     """q/k ``[num_tokens, heads * head_dim]`` -> rotated at ``positions``, same shape."""
 
     def __init__(

@@ -11,9 +11,9 @@ import math
 from typing import Any
 
 import torch
-from torch import nn
 
 from llmserve.kernels import cpu as cpu_kernels
+from llmserve.layers.module import Module
 
 
 def rope_parameters(config: Any) -> dict[str, Any]:
@@ -101,7 +101,7 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(Module):
     """Applies RoPE to q and k at the given positions.
 
     Two layouts of the head dimension, chosen at construction:

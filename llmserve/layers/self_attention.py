@@ -13,6 +13,7 @@ from torch import nn
 from llmserve.layers.attention import Attention, KVCache
 from llmserve.layers.attention_metadata import AttentionMetadata
 from llmserve.layers.layernorm import make_norm
+from llmserve.layers.module import Module
 from llmserve.layers.position import Rope
 
 
@@ -58,7 +59,7 @@ def shared_rope(cfg: AttentionConfig, max_model_len: int, cache: dict[str, Rope]
     return rope
 
 
-class SelfAttention(nn.Module):
+class SelfAttention(Module):
     """``qkv_proj`` rows: q (``num_heads * head_dim``), then k, then v (``num_kv_heads * head_dim``)."""
 
     def __init__(

@@ -25,6 +25,7 @@ from llmserve.layers.attention import KVCache
 from llmserve.layers.attention_metadata import AttentionMetadata
 from llmserve.layers.layernorm import make_norm
 from llmserve.layers.mlp import MLP
+from llmserve.layers.module import Module
 from llmserve.layers.moe import SparseMoE
 from llmserve.layers.position import sinusoidal_positions
 from llmserve.layers.rotary import rope_parameters
@@ -143,7 +144,7 @@ def require(condition: bool, message: str) -> None:
         raise ValueError(f"unsupported configuration: {message}")
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(Module):
     def __init__(
         self, spec: DecoderSpec, index: int, max_model_len: int, backend: str, rope_cache: dict
     ):
@@ -198,7 +199,7 @@ class DecoderLayer(nn.Module):
         return x + self.mlp_out_norm(self.mlp(self.mlp_norm(x)))
 
 
-class DecoderLM(nn.Module):
+class DecoderLM(Module):
     """Decoder stack plus LM head; ``forward`` returns hidden states, ``compute_logits`` logits.
 
     Our parameter names: ``embed_tokens``, ``embed_positions``, ``embed_norm``,

@@ -17,11 +17,12 @@ from llmserve.layers.activation import SiluAndMul
 from llmserve.layers.attention import Attention, KVCache
 from llmserve.layers.attention_metadata import AttentionMetadata
 from llmserve.layers.layernorm import RMSNorm
+from llmserve.layers.module import Module
 from llmserve.layers.rotary import RotaryEmbedding, rope_parameters, to_interleaved
 from llmserve.models.decoder import layer_windows
 
 
-class LlamaAttention(nn.Module):
+class LlamaAttention(Module):
     def __init__(
         self, config: Any, max_model_len: int, backend: str, sliding_window: int | None = None
     ):
@@ -76,7 +77,7 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out if keep is None else out[keep])
 
 
-class LlamaMLP(nn.Module):
+class LlamaMLP(Module):
     def __init__(self, config: Any, kernels: str):
         super().__init__()
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
@@ -87,7 +88,7 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(Module):
     def __init__(
         self, config: Any, max_model_len: int, backend: str, sliding_window: int | None = None
     ):
@@ -113,7 +114,7 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(Module):
     """Decoder stack plus LM head; ``forward`` returns hidden states, ``compute_logits`` logits."""
 
     # Hugging Face name fragment -> (our parameter fragment, shard index) for fused weights.

@@ -27,6 +27,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from llmserve.layers.module import Module
 from llmserve.memory import HugePageArena, movable, release_freed_memory
 from llmserve.quantization.layout import (
     QuantizedWeight,
@@ -64,7 +65,7 @@ def kernel_function(kernel: str) -> Callable[..., torch.Tensor]:
     return reference_linear
 
 
-class QuantLinear(nn.Module):
+class QuantLinear(Module):
     """``y = x @ W^T + b`` with ``W`` quantized; the output rows of ``parts`` are concatenated."""
 
     def __init__(
@@ -142,7 +143,7 @@ def move_to_huge_pages(model: nn.Module) -> int:
     return arena.nbytes
 
 
-class QuantEmbedding(nn.Module):
+class QuantEmbedding(Module):
     """Token embedding whose table stays quantized; only the looked-up rows are dequantized."""
 
     def __init__(self, weight: QuantizedWeight, dtype: torch.dtype = torch.float32):

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from llmserve.kernels.cpu import quant
+from llmserve.layers.module import Module
 from llmserve.quantization.layout import BLOCK, QuantizedWeight
 
 
@@ -59,7 +60,7 @@ def scaled_int8_matmul(
     return acc.float() * (sca.unsqueeze(1) * scb.unsqueeze(0)) * (1.0 / 127**2)
 
 
-class LLMInt8Linear(nn.Module):
+class LLMInt8Linear(Module):
     """``y = x @ W^T + b`` by LLM.int8(); state in buffers ``CB``, ``SCB``, ``bias``."""
 
     def __init__(
