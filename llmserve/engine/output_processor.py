@@ -74,19 +74,21 @@ def make_request_output(request: Request) -> RequestOutput:
         text = seq.output_text
         if not seq.is_finished and holdback:
             text = text[: max(0, len(text) - holdback)]
-        token_ids, logprobs = seq.output_token_ids, seq.logprobs
+        token_ids, logprobs = seq.output_token_ids, seq.logprobs  # the first a fresh list
         if delta:  # from where the last output ended
-            text, seq.num_sent_chars = (
-                text[seq.num_sent_chars :],
-                max(seq.num_sent_chars, len(text)),
-            )
-            token_ids, logprobs = token_ids[seq.num_sent_tokens :], logprobs[seq.num_sent_tokens :]
+            sent_chars, sent_tokens = seq.num_sent_chars, seq.num_sent_tokens
+            seq.num_sent_chars = max(sent_chars, len(text))
             seq.num_sent_tokens = seq.num_output_tokens
+            text, token_ids, logprobs = (
+                text[sent_chars:],
+                token_ids[sent_tokens:],
+                logprobs[sent_tokens:],
+            )
         outputs.append(
             CompletionOutput(
                 index=seq.index,
                 text=text,
-                token_ids=list(token_ids),
+                token_ids=token_ids,
                 cumulative_logprob=seq.cumulative_logprob if params.logprobs is not None else None,
                 logprobs=list(logprobs) if params.logprobs is not None else None,
                 finish_reason=seq.finish_reason.value if seq.finish_reason else None,
