@@ -11,7 +11,7 @@
   small window.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from tokenizers import Tokenizer
@@ -21,6 +21,14 @@ from tokenizers.decoders import DecodeStream
 _NUM_CONTEXT_TOKENS = 5
 _MAX_CONTEXT_TOKENS = 24  # StreamDetokenizer: looked back at most this far for a clean start
 _REPLACEMENT_CHAR = "\ufffd"
+
+
+def _text_after(decode: Callable[[list[int]], str], context: list[int], ids: list[int]) -> str:
+    """The text ``ids`` add after ``context``, both decoded together so that a leading space or
+    a character split across tokens comes out as in running text."""
+    prefix_text = decode(context)
+    new_text = decode(context + ids)
+    return new_text[len(prefix_text) :] if len(new_text) > len(prefix_text) else ""
 
 
 def make_detokenizer(
@@ -78,9 +86,8 @@ class IncrementalDetokenizer:
 
     def _pending_text(self) -> str:
         """Text decoded past `read_offset` that has not been emitted yet."""
-        prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
-        new_text = self._decode(self.token_ids[self.prefix_offset :])
-        return new_text[len(prefix_text) :] if len(new_text) > len(prefix_text) else ""
+        ids, prefix, read = self.token_ids, self.prefix_offset, self.read_offset
+        return _text_after(self._decode, ids[prefix:read], ids[read:])
 
     def _emit(self, delta: str) -> str:
         self.prefix_offset = self.read_offset
@@ -153,9 +160,7 @@ class StreamDetokenizer:
 
     def _held_text(self) -> str:
         """The held tokens' text, decoded beside the last tokens emitted (the window way)."""
-        prefix_text = self._decode(self._recent)
-        new_text = self._decode(self._recent + self._held)
-        return new_text[len(prefix_text) :] if len(new_text) > len(prefix_text) else ""
+        return _text_after(self._decode, self._recent, self._held)
 
     def append(self, token_id: int) -> str:
         """Add one generated token; return the text it completes ("" if none yet)."""
