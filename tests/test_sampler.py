@@ -9,11 +9,13 @@ import torch
 
 from llmserve.runner.logprobs import compute_prompt_logprobs
 from llmserve.runner.sampler import (
+    OutputTokens,
     Sampler,
     SamplingRow,
     apply_penalties,
     argmax_and_probs,
     greedy,
+    penalized_logits,
     sampling_probs,
 )
 from llmserve.runner.truncation import apply_top_k_top_p, top_k_top_p_sorted
@@ -462,3 +464,29 @@ def test_speculation_reads_the_argmax_and_distributions_of_each_row(kernels, dty
         torch.testing.assert_close(probs, want_probs)
     rows = [make_row(SamplingParams(temperature=0.0)) for _ in range(2)]
     assert argmax_and_probs(logits[:2], rows, kernels)[1:] == ([], None)
+
+
+def test_output_tokens_read_the_sequence_in_place():
+    """A row's output tokens are a view of its sequence's token list (no copy a step); the
+    drafts after them are fixed when the row is made, though the drafter's list grows."""
+    token_ids, drafts = [5, 6, 7, 8], [40]
+    view = OutputTokens(token_ids, 2, drafts)
+    drafts.append(41)  # the drafter's next draft: not this row's
+    assert len(view) == 3 and list(view) == [7, 8, 40] and view[1] == 8 and view[-1] == 40
+    token_ids.append(9)  # the sequence grew (a later step): the view follows it
+    assert list(view) == [7, 8, 9, 40] and len(view) == 4
+    assert len(OutputTokens(token_ids, 5)) == 0 and list(OutputTokens(token_ids, 5)) == []
+
+
+def test_penalties_on_a_view_equal_those_on_a_list():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 50)
+    params = SamplingParams(temperature=0, presence_penalty=0.5, repetition_penalty=1.3)
+    rows = [make_row(params, [3, 3, 9], [1, 2]), make_row(params, [7], [4])]
+    views = [
+        SamplingRow(params, [1, 2], OutputTokens([1, 2, 3, 3, 9], 2), None, None),
+        SamplingRow(params, [4], OutputTokens([4, 7], 1), None, None),
+    ]
+    penalized = penalized_logits(logits, rows)
+    assert not torch.equal(penalized, logits)  # the penalties act
+    assert torch.equal(penalized_logits(logits, views), penalized)

@@ -21,7 +21,7 @@ from llmserve.runner import kv_cache
 from llmserve.runner.cuda_graph import CUDAGraphRunner
 from llmserve.runner.inputs import Chunk, StepInputs, build_step_inputs
 from llmserve.runner.logprobs import compute_prompt_logprobs
-from llmserve.runner.sampler import Sampler, SamplingRow, sampler_kernels
+from llmserve.runner.sampler import OutputTokens, Sampler, SamplingRow, sampler_kernels
 from llmserve.spec_decode import rejection_sampler
 from llmserve.spec_decode.draft_model import DraftModelProposer, Proposal
 from llmserve.structured_output.masking import apply_grammar_masks
@@ -215,14 +215,11 @@ class ModelRunner:
 
     def _row(self, item: ScheduledSeq, target, drafts: list[int] = ()) -> SamplingRow:
         """Sampling row of ``target``'s next token; after ``drafts`` when verifying them."""
-        request = item.seq.request
-        output = item.seq.output_token_ids  # a fresh list (a slice)
-        if drafts:
-            output.extend(drafts)
+        seq = item.seq
         return SamplingRow(
-            params=request.params,
-            prompt_token_ids=request.prompt_token_ids,
-            output_token_ids=output,
+            params=seq.request.params,
+            prompt_token_ids=seq.request.prompt_token_ids,
+            output_token_ids=OutputTokens(seq.token_ids, seq.num_prompt_tokens, drafts),
             generator=self._generator(target),
             eos_token_id=self.eos_token_id,
         )

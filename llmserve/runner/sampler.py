@@ -19,6 +19,7 @@ sits in it. Top-k, top-p and min-p are in ``truncation.py``, the logprobs in ``l
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from itertools import chain
 
@@ -41,9 +42,29 @@ class SamplingRow:
 
     params: SamplingParams
     prompt_token_ids: list[int]
-    output_token_ids: list[int]  # tokens this sequence generated so far
+    output_token_ids: Sequence[int]  # tokens this sequence generated so far (OutputTokens)
     generator: torch.Generator | None  # per-sequence generator when params.seed is set
     eos_token_id: int | None
+
+
+class OutputTokens(Sequence[int]):
+    """A sequence's output tokens (and the drafts being verified after them) read in place from
+    its token list: the row of a running sequence used to slice its whole output out every
+    step, O(output length) a row a step, where only rows with a penalty read them."""
+
+    __slots__ = ("_ids", "_start", "_after")
+
+    def __init__(self, token_ids: list[int], start: int, after: Sequence[int] = ()) -> None:
+        self._ids, self._start, self._after = token_ids, start, tuple(after)
+
+    def __len__(self) -> int:
+        return len(self._ids) - self._start + len(self._after)
+
+    def __iter__(self) -> Iterator[int]:
+        return chain(self._ids[self._start :], self._after)
+
+    def __getitem__(self, index):
+        return list(self)[index]
 
 
 @dataclass
