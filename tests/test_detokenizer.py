@@ -163,3 +163,24 @@ def test_window_stays_small(tokenizer) -> None:
         max_window = max(max_window, len(detokenizer.token_ids) - detokenizer.prefix_offset)
     assert detokenizer.output_text == tokenizer.decode(output_ids)
     assert max_window <= 8
+
+
+def test_stream_starts_without_context_when_priming_is_refused(
+    tokenizer, chat_prompt_ids, monkeypatch
+) -> None:
+    """If DecodeStream refuses the prompt's last tokens, the detokenizer starts with a fresh
+    stream (no left context) instead of failing the request (and the engine step with it)."""
+    from llmserve.engine import detokenizer as module
+
+    made = []
+
+    def first_refuses(**kwargs):
+        made.append(module_stream(**kwargs))
+        return _RefusingStream(made[-1]) if len(made) == 1 else made[-1]
+
+    module_stream = module.DecodeStream
+    monkeypatch.setattr(module, "DecodeStream", first_refuses)
+    output_ids = tokenizer.encode(TEXTS["english"])
+    detokenizer = StreamDetokenizer(tokenizer._tokenizer, chat_prompt_ids)
+    text = "".join(detokenizer.append(i) for i in output_ids) + detokenizer.finish()
+    assert len(made) == 2 and text == TEXTS["english"]

@@ -126,10 +126,8 @@ class StreamDetokenizer:
     ) -> None:
         self.backend = backend
         self.skip_special_tokens = skip_special_tokens
-        self.stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         context = self._clean_suffix(list(prompt_token_ids))
-        for token_id in context:
-            self.stream.step(backend, token_id)
+        self.stream = self._stream_after(context)
         self._recent = context[-_NUM_CONTEXT_TOKENS:]  # the last tokens emitted (or primed)
         self._held: list[int] = []  # tokens since the last delta
         self._output_text = ""
@@ -143,6 +141,16 @@ class StreamDetokenizer:
             if _REPLACEMENT_CHAR not in self._decode(suffix):
                 return suffix
         return prompt_token_ids[len(prompt_token_ids) - longest :]
+
+    def _stream_after(self, context: list[int]) -> DecodeStream:
+        """A DecodeStream that has decoded ``context`` (a fresh one if it refuses to)."""
+        stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
+        try:
+            for token_id in context:
+                stream.step(self.backend, token_id)
+        except Exception:  # a start that is no prefix of what follows: begin with no context
+            stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
+        return stream
 
     @property
     def output_text(self) -> str:
@@ -169,9 +177,7 @@ class StreamDetokenizer:
             delta = self.stream.step(self.backend, token_id)
         except Exception:  # DecodeStream refuses a prefix that now decodes otherwise
             delta = self._held_text()  # this token the window way, and a fresh stream after it
-            self.stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
-            for context_id in self._recent + self._held:
-                self.stream.step(self.backend, context_id)
+            self.stream = self._stream_after(self._recent + self._held)
             if delta.endswith(_REPLACEMENT_CHAR):
                 return ""
         return self._emit(delta) if delta else ""
