@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmserve.engine.llm_engine import LLMEngine, PromptType
+from llmserve.engine.request_stream import RequestStream
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import RequestOutputKind, SamplingParams
 from llmserve.spec_decode.stats import SpecDecodeStats
@@ -88,41 +89,6 @@ class EngineListeners:
                 callback(output)
             except Exception:
                 logger.exception("on_finish listener failed")
-
-
-class RequestStream:
-    """The outputs of one request, fed by the engine thread, read by one handler.
-
-    Outputs are cumulative, so the stream keeps only the newest one: a handler that falls
-    behind skips to it. An exception (the engine failed) replaces it and stays."""
-
-    def __init__(self, request_id: str) -> None:
-        self.request_id = request_id
-        self.is_finished = False
-        self._item: RequestOutput | Exception | None = None
-        self._waiter: asyncio.Future[None] | None = None
-
-    def put(self, item: RequestOutput | Exception) -> None:
-        if not isinstance(self._item, Exception):
-            self._item = item
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
-
-    async def get(self) -> RequestOutput:
-        """The newest output not yet read; waits for one."""
-        while self._item is None:
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-        item, self._item = self._item, None
-        if isinstance(item, Exception):
-            self._item = item  # every later get raises it too
-            self.is_finished = True
-            raise item
-        self.is_finished = item.finished
-        return item
 
 
 class AsyncLLMEngine:

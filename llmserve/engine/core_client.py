@@ -27,7 +27,6 @@ from llmserve.engine.async_engine import (
     EngineListeners,
     EngineSnapshot,
     EngineStepError,
-    RequestStream,
     check_can_add,
     check_streamable,
     stream_outputs,
@@ -35,6 +34,7 @@ from llmserve.engine.async_engine import (
 from llmserve.engine.core_process import run_engine_core
 from llmserve.engine.frontend import EngineFrontend
 from llmserve.engine.output_deltas import OutputDecoder
+from llmserve.engine.request_stream import RequestStream
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams
 
