@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from llmserve.runner.logprobs import compute_prompt_logprobs
+from llmserve.runner.penalties import apply_penalties
 from llmserve.runner.sampler import (
     OutputTokens,
     Sampler,
     SamplingRow,
-    apply_penalties,
     argmax_and_probs,
     greedy,
     penalized_logits,

@@ -13,7 +13,8 @@ import socket
 from dataclasses import dataclass
 from typing import Any
 
-from llmserve.engine.async_engine import EngineSnapshot, RequestStream
+from llmserve.engine.async_engine import EngineSnapshot
+from llmserve.engine.request_stream import RequestStream
 from llmserve.sampling_params import SamplingParams
 
 RAY_CONNECT_TIMEOUT_S = 5.0

@@ -38,8 +38,9 @@ import threading
 from multiprocessing.connection import Connection
 from typing import Any
 
-from llmserve.engine.async_engine import AsyncLLMEngine, RequestStream
+from llmserve.engine.async_engine import AsyncLLMEngine
 from llmserve.engine.output_deltas import OutputEncoder
+from llmserve.engine.request_stream import RequestStream
 from llmserve.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)

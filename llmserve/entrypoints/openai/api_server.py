@@ -23,7 +23,8 @@ from starlette.background import BackgroundTask
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import llmserve
-from llmserve.engine.async_engine import AsyncLLMEngine, RequestStream
+from llmserve.engine.async_engine import AsyncLLMEngine
+from llmserve.engine.request_stream import RequestStream
 from llmserve.entrypoints.openai.errors import OpenAIError, error_response, install_error_handlers
 from llmserve.entrypoints.openai.metrics import ServerMetrics
 from llmserve.entrypoints.openai.protocol import (

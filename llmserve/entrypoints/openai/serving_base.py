@@ -11,8 +11,9 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from llmserve.engine.async_engine import AsyncLLMEngine, RequestStream
+from llmserve.engine.async_engine import AsyncLLMEngine
 from llmserve.engine.llm_engine import PromptType
+from llmserve.engine.request_stream import RequestStream
 from llmserve.entrypoints.openai.errors import OpenAIError, error_from_exception
 from llmserve.entrypoints.openai.logprobs import TokenTexts
 from llmserve.entrypoints.openai.protocol import ErrorResponse, UsageInfo

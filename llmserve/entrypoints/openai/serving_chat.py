@@ -6,7 +6,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
-from llmserve.engine.async_engine import RequestStream
+from llmserve.engine.request_stream import RequestStream
 from llmserve.entrypoints.openai import tool_calls
 from llmserve.entrypoints.openai.errors import OpenAIError
 from llmserve.entrypoints.openai.logprobs import chat_logprobs

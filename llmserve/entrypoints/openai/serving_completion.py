@@ -6,8 +6,8 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
-from llmserve.engine.async_engine import RequestStream
 from llmserve.engine.llm_engine import PromptType
+from llmserve.engine.request_stream import RequestStream
 from llmserve.entrypoints.openai.errors import OpenAIError
 from llmserve.entrypoints.openai.logprobs import completion_logprobs, merge_completion_logprobs
 from llmserve.entrypoints.openai.protocol import (
