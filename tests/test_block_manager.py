@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 from llmserve.engine.block_manager import BlockManager
 from llmserve.engine.sequence import Sequence
 from tests.fake_engine import FakeEngine, make_request
@@ -196,8 +198,6 @@ def test_a_used_pool_still_gives_prompts_runs_of_blocks():
     # freed (LRU), the tables drifted from runs to scatter batch after batch: 0.92 of the
     # prompt blocks followed their predecessor in the first batch, 0.43 in the second, 0.04 in
     # the fifth; with the clock hand 0.91-0.94 in every batch.
-    import random
-
     rng = random.Random(0)
     engine = FakeEngine(num_blocks=80, block_size=4, max_num_batched_tokens=64)
     for wave in range(5):
