@@ -88,6 +88,9 @@ VARLEN_CASES = {
     "hd80-bs32-mha": (80, 32, 4, 4, [1, 70, 3], [9, 130, 3]),
     "hd72-bs64-mqa-long": (72, 64, 8, 1, [300], [1000]),
     "hd128-gqa8": (128, 16, 16, 2, [17, 1, 2], [33, 64, 2]),
+    # items of 3 and 2 rows (9 and 6 heads a KV head: two-block score passes of 8 + 1 and 6
+    # heads on AVX-512), a step's last block alone, cached context before the first chunk
+    "rows3-rows2-gqa3": (64, 16, 9, 3, [39, 66, 47], [71, 66, 47]),
 }
 # the same with prompts' first chunks of one length (one SDPA call for them), of others, and
 # of fewer rows than sdpa_min_rows = 30 (left to the kernel)
