@@ -82,15 +82,15 @@ def test_paged_decode_matches_fp32_reference(isa, case, dtype, layout):
 
 
 # (head_dim, block_size, num_heads, num_kv_heads, q_lens, seq_lens): prompt chunks with and
-# without cached context before them, beside decodes; row counts off the 4-row items
+# without cached context before them, beside decodes; row counts off the 16-row items
 VARLEN_CASES = {
     "mixed-gqa3": (64, 16, 9, 3, [1, 1, 37, 140, 5], [30, 200, 37, 164, 5]),
     "hd80-bs32-mha": (80, 32, 4, 4, [1, 70, 3], [9, 130, 3]),
     "hd72-bs64-mqa-long": (72, 64, 8, 1, [300], [1000]),
     "hd128-gqa8": (128, 16, 16, 2, [17, 1, 2], [33, 64, 2]),
-    # items of 3 and 2 rows (9 and 6 heads a KV head: two-block score passes of 8 + 1 and 6
-    # heads on AVX-512), a step's last block alone, cached context before the first chunk
-    "rows3-rows2-gqa3": (64, 16, 9, 3, [39, 66, 47], [71, 66, 47]),
+    # items of 7, 2 and 15 rows (21, 6 and 45 heads a KV head: two-block score passes of
+    # 8 + 8 + 5, 6 and 5 x 8 + 5 heads on AVX-512), cached context before the first chunk
+    "rows7-rows2-gqa3": (64, 16, 9, 3, [39, 66, 47], [71, 66, 47]),
 }
 # the same with prompts' first chunks of one length (one SDPA call for them), of others, and
 # of fewer rows than sdpa_min_rows = 30 (left to the kernel)
