@@ -82,7 +82,8 @@ def test_paged_decode_matches_fp32_reference(isa, case, dtype, layout):
 
 
 # (head_dim, block_size, num_heads, num_kv_heads, q_lens, seq_lens): prompt chunks with and
-# without cached context before them, beside decodes; row counts off the 16-row items
+# without cached context before them, beside decodes; row counts off the items' (16 rows with
+# 9 heads, 9 with 16)
 VARLEN_CASES = {
     "mixed-gqa3": (64, 16, 9, 3, [1, 1, 37, 140, 5], [30, 200, 37, 164, 5]),
     "hd80-bs32-mha": (80, 32, 4, 4, [1, 70, 3], [9, 130, 3]),

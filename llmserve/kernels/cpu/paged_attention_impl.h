@@ -97,8 +97,8 @@ void attend_split(const Batch& b, int64_t chunks) {
 }
 
 // Prompt rows and decodes in one pass (query_start: [num_seqs + 1] row offsets of q/out). A
-// work item is up to kRows consecutive query rows of one sequence; its rows' heads that share
-// a KV head are attended together as if they were one sequence's heads (virtual head
+// work item is up to item_rows(H) consecutive query rows of one sequence; its rows' heads that
+// share a KV head are attended together as if they were one sequence's heads (virtual head
 // g * rows * G + r * G + i is head g * G + i of row r), so each K/V chunk is loaded once for
 // all of them, and row r (position p) sees tokens [0, p] only. Items run longest first and
 // are taken by the threads as they come free (their costs differ by the context lengths).
@@ -107,18 +107,25 @@ void attend_split(const Batch& b, int64_t chunks) {
 // process, nine rounds, medians), fp32 1 x 2048 tokens 300 -> 321 GFLOP/s, 8 x 256 199 -> 224;
 // bf16 407 -> 442 and 264 -> 313; the AVX2 path on the same host fp32 1.13x, bf16 1.04-1.06x.
 // 32 rows added 3-10% more, but a prompt of 32 rows would then be one item for one thread.
-constexpr int64_t kRows = 16;
+// Models with more query heads take fewer rows, down to the 4 they took before (measured on
+// the default model only), so an item's scores stay within kItemHeads heads (72 KB a step).
+constexpr int64_t kRows = 16, kMinRows = 4, kItemHeads = 16 * 9;
+
+inline int64_t item_rows(int64_t num_heads) {
+  return std::clamp(kItemHeads / num_heads, kMinRows, kRows);
+}
 
 template <typename T>
 void attend_varlen(const Batch& b, const int32_t* query_start) {
   const int64_t H = b.sh.num_heads, D = b.sh.head_dim, G = b.sh.group;
+  const int64_t per_item = item_rows(H);
   struct Item { int64_t seq, row0, rows, cost; };
   std::vector<Item> items;
   for (int64_t s = 0; s < b.num_seqs; ++s) {
     if (b.skip != nullptr && b.skip[s]) continue;  // attended elsewhere (prompt_sdpa)
     const int64_t q_len = query_start[s + 1] - query_start[s], first = b.lens[s] - q_len;
-    for (int64_t r0 = 0; r0 < q_len; r0 += kRows) {
-      const int64_t rows = std::min(kRows, q_len - r0);
+    for (int64_t r0 = 0; r0 < q_len; r0 += per_item) {
+      const int64_t rows = std::min(per_item, q_len - r0);
       items.push_back({s, r0, rows, rows * (first + r0 + rows)});
     }
   }
@@ -133,8 +140,8 @@ void attend_varlen(const Batch& b, const int32_t* query_start) {
   };
   auto state = [&] {
     Shape vs = b.sh;
-    vs.num_heads = H * kRows, vs.group = G * kRows;
-    return State{vs, Scratch(vs), std::vector<int64_t>(H * kRows)};
+    vs.num_heads = H * per_item, vs.group = G * per_item;
+    return State{vs, Scratch(vs), std::vector<int64_t>(H * per_item)};
   };
   const int64_t n = items.size();
   ::llmserve::parallel_take(n, 1, state, [&](State& st, int64_t begin, int64_t end) {
