@@ -237,25 +237,23 @@ void attend_chunk(const Shape& sh, const T* k_cache, const T* v_cache, const int
   // nine rounds, medians, GFLOP/s): fp32 1 x 2048 tokens 249 -> 293, 8 x 256 180 -> 195; bf16
   // with vdpbf16ps 334 -> 391 and 227 -> 251; bf16 widened (AVX-512 without BF16) 272 -> 300
   // and 207 -> 222. Decode rows (one query row, from memory) keep one block at a time.
-  const bool pairs = kMaxPairHeads > 0 && limits != nullptr && sh.k_t && bs == Vec::W;
+  const bool pairs = Vec::W == 16 && limits != nullptr && sh.k_t && bs == Vec::W;
   for (int64_t s0 = t0; s0 < t1; s0 += stride) {
     const int64_t sn = std::min(stride, t1 - s0);  // the step's tokens
     for (int64_t b0 = s0; b0 < s0 + sn; b0 += bs) {
       const T* kb = k_cache + table[b0 / bs] * bs * sh.row;  // token i: kb + i * row
       const int64_t n = std::min(bs, t1 - b0);
-      if constexpr (kMaxPairHeads > 0) {
-        if (pairs && b0 + 2 * bs <= std::min(s0 + sn, t1)) {  // two whole blocks at once
-          const T* kb1 = k_cache + table[b0 / bs + 1] * bs * sh.row;
-          ask_ahead(true, b0 + bs, s0, sn);
-          for_head_groups<kMaxPairHeads>(sh, [&](auto nh, int64_t h, int64_t g) {
-            pair_scores<decltype(nh)::value>(sh, w, h, g, kb, kb1,
-                                             w.scores.data() + h * stride + (b0 - s0), stride,
-                                             k_ahead);
-          });
-          k_ahead.finish();
-          b0 += bs;
-          continue;
-        }
+      if (pairs && b0 + 2 * bs <= std::min(s0 + sn, t1)) {  // two whole blocks at once
+        const T* kb1 = k_cache + table[b0 / bs + 1] * bs * sh.row;
+        ask_ahead(true, b0 + bs, s0, sn);
+        for_head_groups<kMaxPairHeads>(sh, [&](auto nh, int64_t h, int64_t g) {
+          pair_scores<decltype(nh)::value>(sh, w, h, g, kb, kb1,
+                                           w.scores.data() + h * stride + (b0 - s0), stride,
+                                           k_ahead);
+        });
+        k_ahead.finish();
+        b0 += bs;
+        continue;
       }
       ask_ahead(true, b0, s0, sn);
       auto scores = [&](auto nh, int64_t h, int64_t g) {

@@ -179,74 +179,53 @@ inline void dots_t(const float* q, const T* kt, int64_t bs, int64_t n, int64_t D
   }
 }
 
-// dots_t over two whole blocks of W tokens each (bs == W; kt0 and kt1 the KV head's rows in
-// each): the scores of block 0 to out + h * os, of block 1 to out + h * os + W. A broadcast
-// query element feeds two FMAs, one per block, so a head's two accumulators cost one
-// broadcast instead of two; NH heads hold 2 * NH accumulators (kMaxPairHeads).
+// q . k for two vectors of W tokens at once, NH heads: rows d of the two at k0 + d * stride and
+// k1 + d * stride, their scores to out0 + h * os and out1 + h * os. A broadcast query element
+// feeds 2 FMAs instead of 1. With one vector, a head's FMA needs a load of K and a broadcast,
+// more loads than the core issues per FMA once K sits in L1, as it does in prompt attention (an
+// item's rows re-read their blocks); with two, NH * 2 accumulators (two partial sums each for
+// fewer than 4 heads). The two vectors are one block's (dots_t2, AVX2) or two blocks' (AVX-512
+// prompt rows, pair_scores).
 template <int NH, typename T>
-inline void dots_t_pair(const float* q, const T* kt0, const T* kt1, int64_t D, float* out,
-                        int64_t os, Ahead& ah) {
-  constexpr int64_t W = Vec::W;
-  Vec a[NH][2];
-  for (int h = 0; h < NH; ++h) a[h][0] = a[h][1] = Vec::zero();
-  auto step = [&](int64_t d) {
-    const Vec k0 = Vec::load(kt0 + d * W), k1 = Vec::load(kt1 + d * W);
+inline void dots_two(const float* q, const T* k0, const T* k1, int64_t stride, int64_t D,
+                     float* out0, float* out1, int64_t os, Ahead& ah) {
+  constexpr int U = NH >= 4 ? 1 : 2;  // partial sums per (head, vector)
+  Vec a[NH][U][2];
+  for (int h = 0; h < NH; ++h) {
+    for (int u = 0; u < U; ++u) a[h][u][0] = a[h][u][1] = Vec::zero();
+  }
+  auto step = [&](int64_t d, int u) {
+    const Vec x0 = Vec::load(k0 + d * stride), x1 = Vec::load(k1 + d * stride);
     for (int h = 0; h < NH; ++h) {
       const Vec qd = Vec::set1(q[h * D + d]);
-      a[h][0] = Vec::fma(qd, k0, a[h][0]);
-      a[h][1] = Vec::fma(qd, k1, a[h][1]);
+      a[h][u][0] = Vec::fma(qd, x0, a[h][u][0]);
+      a[h][u][1] = Vec::fma(qd, x1, a[h][u][1]);
     }
   };
   int64_t d = 0;
-  for (; d + 4 <= D; d += 4) {
+  for (; d + U <= D; d += U) {
     ah.step();
-    step(d), step(d + 1), step(d + 2), step(d + 3);
+    for (int u = 0; u < U; ++u) step(d + u, u);
   }
-  for (; d < D; ++d) step(d);
+  for (; d < D; ++d) step(d, 0);
   for (int h = 0; h < NH; ++h) {
-    a[h][0].store(out + h * os);
-    a[h][1].store(out + h * os + W);
+    for (int j = 0; j < 2; ++j) {
+      Vec sum = a[h][0][j];
+      for (int u = 1; u < U; ++u) sum = Vec::add(sum, a[h][u][j]);
+      sum.store((j == 0 ? out0 : out1) + h * os);
+    }
   }
 }
 
-// dots_t with two vectors of tokens per broadcast query element (AVX2, blocks of a multiple
-// of 2W tokens): a broadcast feeds 2 FMAs instead of 1. With one vector, a head's FMA needs a
-// load of K and a broadcast, more loads than the core issues per FMA once K sits in L1, as it
-// does in prompt attention (an item's rows re-read their blocks); with two, and up to
-// kMaxScoreHeads heads, NH * 2 accumulators (two partial sums each for fewer than 4 heads).
-// Same contract as dots_t: lanes past n (inside the block) are computed and stored, unread.
+// dots_t with two vectors of a block's tokens per broadcast query element (AVX2, blocks of a
+// multiple of 2W tokens), up to kMaxScoreHeads heads. Same contract as dots_t: lanes past n
+// (inside the block) are computed and stored, unread.
 template <int NH, typename T>
 inline void dots_t2(const float* q, const T* kt, int64_t bs, int64_t n, int64_t D, float* out,
                     int64_t os, Ahead& ah) {
   constexpr int64_t W = Vec::W;
-  constexpr int U = NH >= 4 ? 1 : 2;  // partial sums per (head, vector)
   for (int64_t t0 = 0; t0 < n; t0 += 2 * W) {
-    Vec a[NH][U][2];
-    for (int h = 0; h < NH; ++h) {
-      for (int u = 0; u < U; ++u) a[h][u][0] = a[h][u][1] = Vec::zero();
-    }
-    auto step = [&](int64_t d, int u) {
-      const T* r = kt + d * bs + t0;
-      const Vec k0 = Vec::load(r), k1 = Vec::load(r + W);
-      for (int h = 0; h < NH; ++h) {
-        const Vec qd = Vec::set1(q[h * D + d]);
-        a[h][u][0] = Vec::fma(qd, k0, a[h][u][0]);
-        a[h][u][1] = Vec::fma(qd, k1, a[h][u][1]);
-      }
-    };
-    int64_t d = 0;
-    for (; d + U <= D; d += U) {
-      ah.step();
-      for (int u = 0; u < U; ++u) step(d + u, u);
-    }
-    for (; d < D; ++d) step(d, 0);
-    for (int h = 0; h < NH; ++h) {
-      for (int j = 0; j < 2; ++j) {
-        Vec sum = a[h][0][j];
-        for (int u = 1; u < U; ++u) sum = Vec::add(sum, a[h][u][j]);
-        sum.store(out + h * os + t0 + j * W);
-      }
-    }
+    dots_two<NH>(q, kt + t0, kt + t0 + W, bs, D, out + t0, out + t0 + W, os, ah);
   }
 }
 
@@ -265,9 +244,15 @@ constexpr int kMaxValueHeads = Vec::W == 8 ? 4 : kMaxHeads;
 // the default model, 12 heads per KV head, fp32, alternated with one block at a time): 8 heads
 // 1.20x (1 x 2048 and 8 x 256 tokens), 6 1.16x / 1.09x, 12 1.07x / 1.03x (GCC keeps 24
 // accumulators in memory, not registers).
-constexpr int kMaxPairHeads = Vec::W == 16 ? 8 : 0;
+constexpr int kMaxPairHeads = 8;
 
 #ifdef LLMSERVE_X86
+// vpermw's indices for the vdpbf16ps kernels: word j of the result = 16-bit lanes j (row d)
+// and 16 + j (row d + 1) of two rows of 16 tokens
+alignas(64) inline constexpr int16_t kInterleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5,
+                                                       21, 6, 22, 7, 23, 8, 24, 9, 25, 10, 26,
+                                                       11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+
 // dots_t for bf16 with AVX512_BF16 (Isa::kAvx512Bf16): rows d and d + 1 of 16 tokens, one
 // vpermw apart from (k[d], k[d + 1]) pairs per 32-bit lane, times the query's (q[d], q[d + 1])
 // pair broadcast: vdpbf16ps adds both products to an fp32 lane in one instruction. qw holds
@@ -279,10 +264,6 @@ dots_t_dpbf16(const uint32_t* qw, const uint16_t* kt, int64_t bs, int64_t n, int
               float scale, float* out, int64_t os, Ahead& ah) {
   constexpr int U = 4;
   const int64_t P = D / 2;  // query pairs per head
-  // word j of the result = 16-bit lanes j (row d) and 16 + j (row d + 1)
-  alignas(64) static const int16_t kInterleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5,
-                                                      21, 6, 22, 7, 23, 8, 24, 9, 25, 10, 26,
-                                                      11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
   const __m512i idx = _mm512_load_si512(kInterleave);
   const __m512 sc = _mm512_set1_ps(scale);
   int64_t t0 = 0;
@@ -325,19 +306,14 @@ dots_t_dpbf16(const uint32_t* qw, const uint16_t* kt, int64_t bs, int64_t n, int
     }
   }
 }
-#endif
 
-#ifdef LLMSERVE_X86
-// dots_t_dpbf16 over two whole blocks of 16 tokens (as dots_t_pair): one broadcast query pair
-// feeds a vdpbf16ps per block.
+// dots_t_dpbf16 over two whole blocks of 16 tokens (as pair_scores' dots_two): one broadcast
+// query pair feeds a vdpbf16ps per block.
 template <int NH>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c"))) inline void
 dots_t_dpbf16_pair(const uint32_t* qw, const uint16_t* kt0, const uint16_t* kt1, int64_t D,
                    float scale, float* out, int64_t os, Ahead& ah) {
   const int64_t P = D / 2;
-  alignas(64) static const int16_t kInterleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5,
-                                                      21, 6, 22, 7, 23, 8, 24, 9, 25, 10, 26,
-                                                      11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
   const __m512i idx = _mm512_load_si512(kInterleave);
   __m512 a[NH][2];
   for (int h = 0; h < NH; ++h) a[h][0] = a[h][1] = _mm512_setzero_ps();
@@ -380,7 +356,8 @@ inline void pair_scores(const Shape& sh, const Scratch& w, int64_t h, int64_t g,
     }
   }
 #endif
-  dots_t_pair<NH>(w.q.data() + h * D, kb0 + off, kb1 + off, D, out, os, ah);
+  constexpr int64_t W = Vec::W;
+  dots_two<NH>(w.q.data() + h * D, kb0 + off, kb1 + off, W, D, out, out + W, os, ah);
 }
 
 // the scores of a block's n tokens for NH query heads h.. that share KV head g; head h + j's
@@ -415,7 +392,9 @@ inline void load_query(const Shape& sh, const T* src, int64_t h, Scratch& w) {
   int64_t d = 0;
   if (sh.k_t) {  // natural order: whole vectors (a prompt item loads rows x heads of them)
     const Vec scale = Vec::set1(sh.scale);
-    for (; d + Vec::W <= D; d += Vec::W) Vec::mul(scale, Vec::load(src + d)).store(&w.q[h * D + d]);
+    for (; d + Vec::W <= D; d += Vec::W) {
+      Vec::mul(scale, Vec::load(src + d)).store(&w.q[h * D + d]);
+    }
   }
   for (; d < D; ++d) w.q[h * D + (sh.k_t ? d : slot<T>(d, D))] = sh.scale * to_f32(src[d]);
   if constexpr (std::is_same<T, uint16_t>::value) {
