@@ -183,6 +183,8 @@ NO_TRITON = importlib.util.find_spec("triton") is None
     [
         ("gemma2", "torch"),
         ("mistral-window", "torch"),
+        ("mistral-window", "cpp"),
+        ("gemma3", "cpp"),
         ("falcon-40b-style", "torch"),
         pytest.param("gemma3", "triton", marks=pytest.mark.skipif(NO_TRITON, reason="triton")),
         pytest.param("phi", "triton", marks=pytest.mark.skipif(NO_TRITON, reason="triton")),
@@ -190,7 +192,8 @@ NO_TRITON = importlib.util.find_spec("triton") is None
 )
 def test_chunked_prefill_and_other_backends(name, backend, tmp_path, tokenizer):
     """Prompt chunks that continue a cached context (windowed, soft-capped), on the torch
-    backend and on Triton's (interpreted on CPU; the eager path for Gemma 3's local layers)."""
+    backend, the C++ kernels' (windows in the kernels) and Triton's (interpreted on CPU; the
+    eager path for Gemma 3's local layers)."""
     model = _save(name, tmp_path, tokenizer)
     _, ref_tokens = _reference(model)
     llm = LLM(

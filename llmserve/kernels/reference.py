@@ -27,6 +27,7 @@ def _attend_one_seq(
     v: torch.Tensor,  # [seq_len, num_kv_heads, head_dim]
     scale: float,
     alibi_slopes: torch.Tensor | None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:  # [q_len, num_heads, head_dim], fp32
     q_len, num_heads, _ = q.shape
     seq_len, num_kv_heads, _ = k.shape
@@ -39,7 +40,10 @@ def _attend_one_seq(
     rel = (key_pos[None, :] - query_pos[:, None]).float()  # [q_len, seq_len], <= 0 where allowed
     if alibi_slopes is not None:
         scores = scores + alibi_slopes.float()[:, None, None] * rel
-    scores = scores.masked_fill(rel > 0, float("-inf"))
+    hidden = rel > 0
+    if sliding_window is not None:  # a query sees its own and the window - 1 keys before it
+        hidden |= rel <= -sliding_window
+    scores = scores.masked_fill(hidden, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return torch.einsum("hqk,khd->qhd", probs, v)
 
@@ -53,13 +57,15 @@ def ref_paged_attention(
     block_tables: torch.Tensor,
     scale: float,
     alibi_slopes: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed queries over a paged KV pool.
 
     q: [num_tokens, num_heads, head_dim]; sequence b owns tokens
     query_start_loc[b]:query_start_loc[b+1], the last q_len positions of its seq_lens[b]-long
     context. Query head h reads KV head h // (num_heads // num_kv_heads). With ALiBi the score
-    gets slope[h] * (key_pos - query_pos). Returns [num_tokens, num_heads, head_dim] in q's dtype.
+    gets slope[h] * (key_pos - query_pos); with a sliding window W a query at position p sees
+    keys p - W + 1 .. p only. Returns [num_tokens, num_heads, head_dim] in q's dtype.
     """
     out = torch.empty_like(q)
     starts = query_start_loc.tolist()
@@ -69,7 +75,8 @@ def ref_paged_attention(
             continue
         k = gather_kv(k_cache, block_tables[b], seq_len)
         v = gather_kv(v_cache, block_tables[b], seq_len)
-        out[start:end] = _attend_one_seq(q[start:end], k, v, scale, alibi_slopes).to(q.dtype)
+        attended = _attend_one_seq(q[start:end], k, v, scale, alibi_slopes, sliding_window)
+        out[start:end] = attended.to(q.dtype)
     return out
 
 

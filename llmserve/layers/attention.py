@@ -1,8 +1,10 @@
 """Attention over the paged KV cache, with a choice of backend (torch, cpp or Triton).
 
-ALiBi, logit soft-capping and a sliding window that a context outgrows take the eager path
-(``paged_attention_eager``) in every backend; a window the context still fits in changes
-nothing, so those steps keep the backend's own kernels.
+ALiBi and logit soft-capping take the eager path (``paged_attention_eager``) in every
+backend. A sliding window that a context outgrows is the C++ kernels' own (the cpp backend:
+each row reads its window's blocks only); the torch and Triton backends take the eager path
+for it. A window the context still fits in changes nothing, so those steps keep the
+backend's own kernels.
 """
 
 from __future__ import annotations
@@ -48,9 +50,16 @@ class Attention(Module):
         # [num_heads] float32; a plain attribute, so ``model.to(dtype)`` leaves it float32
         self.alibi_slopes = None if alibi_slopes is None else alibi_slopes.float()
 
-    def needs_eager(self, meta: AttentionMetadata) -> bool:
-        """Whether this step needs scores the fused kernels cannot produce."""
-        window = self.sliding_window is not None and meta.max_seq_len > self.sliding_window
+    def window(self, meta: AttentionMetadata) -> int:
+        """The sliding window this step must apply: 0 when it has none or every context of
+        the step still fits in it."""
+        window = self.sliding_window
+        return window if window is not None and meta.max_seq_len > window else 0
+
+    def needs_eager(self, meta: AttentionMetadata, native: bool = False) -> bool:
+        """Whether this step needs scores the backend's kernels cannot produce (``native``:
+        the C++ kernels, which take a sliding window)."""
+        window = not native and self.window(meta) > 0
         return window or self.softcap is not None or self.alibi_slopes is not None
 
     def _eager(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
@@ -79,16 +88,17 @@ class Attention(Module):
         if (
             isinstance(plan, TorchAttentionPlan)
             and plan.native_decode
-            and not self.needs_eager(meta)
+            and not self.needs_eager(meta, native=True)
         ):  # C++ kernels: the K/V write and the attention in one call
+            window = self.window(meta)
             if meta.num_decodes == q.shape[0]:  # decodes only (split-K for a small batch)
                 return cpu_kernels.decode_attention(
                     q, k, v, *kv_cache, meta.slot_mapping, plan.decode_tables,
-                    plan.decode_seq_lens, self.scale,
+                    plan.decode_seq_lens, self.scale, window,
                 )  # fmt: skip
             return cpu_kernels.paged_attention(  # prompt chunks (and decodes) of any length
                 q, k, v, *kv_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens,
-                meta.query_start_loc, self.scale,
+                meta.query_start_loc, self.scale, None, window,
             )  # fmt: skip
         num_tokens = q.shape[0]
         q = q.view(num_tokens, self.num_heads, self.head_dim)

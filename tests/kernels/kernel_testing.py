@@ -1,5 +1,6 @@
-"""Helpers for the kernel tests: a paged batch with its pool, ALiBi slopes, tolerances, a
-thread count for a block, the memory mapping that holds an address."""
+"""Helpers for the kernel tests: a paged batch with its pool, a step's new K/V for it, the K
+pool's layouts, ALiBi slopes, tolerances, a thread count for a block, the memory mapping that
+holds an address."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+
+from llmserve.runner.kv_cache import transposed_keys
 
 
 @dataclass
@@ -75,6 +78,40 @@ def make_paged_batch(
         move(batch.seq_lens), move(batch.block_tables), [move(k) for k in batch.keys],
         [move(v) for v in batch.values], batch.max_query_len,
     )  # fmt: skip
+
+
+def step_kv(batch: PagedBatch, q_lens: list[int], seq_lens: list[int]):
+    """The K/V rows a step writes (each sequence's last q_len positions, ``[T, kvh * D]``),
+    their pool slots, and copies of the pools with those slots NaN (the step must write them):
+    ``(new_k, new_v, slot_mapping, k_cache, v_cache)``."""
+    block_size, kv_heads, head_dim = batch.k_cache.shape[1:]
+    slots = [
+        int(batch.block_tables[b, p // block_size]) * block_size + p % block_size
+        for b, (q_len, ctx) in enumerate(zip(q_lens, seq_lens))
+        for p in range(ctx - q_len, ctx)
+    ]
+    new_k = torch.cat([k[ctx - q_len :] for k, q_len, ctx in zip(batch.keys, q_lens, seq_lens)])
+    new_v = torch.cat([v[ctx - q_len :] for v, q_len, ctx in zip(batch.values, q_lens, seq_lens)])
+    k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
+    slot_mapping = torch.tensor(slots)
+    for cache in (k_cache, v_cache):
+        cache.view(-1, kv_heads, head_dim)[slot_mapping] = float("nan")
+    tokens = new_k.shape[0]
+    return new_k.reshape(tokens, -1), new_v.reshape(tokens, -1), slot_mapping, k_cache, v_cache
+
+
+LAYOUTS = ["tokens", "keys-transposed"]
+
+
+def in_layout(k_cache: torch.Tensor, layout: str) -> torch.Tensor:
+    """The K pool as the cpp backend stores it (``kv_cache.allocate``): the same values, each
+    block kept as [kv_heads, head_dim, block_size] behind the view."""
+    if layout == "tokens":
+        return k_cache
+    transposed = transposed_keys(k_cache)
+    assert not transposed.is_contiguous()
+    torch.testing.assert_close(transposed, k_cache, equal_nan=True, rtol=0, atol=0)
+    return transposed
 
 
 def alibi_slopes(num_heads: int) -> torch.Tensor:

@@ -15,31 +15,16 @@ import shutil
 
 import pytest
 import torch
-from kernel_testing import make_paged_batch, tolerance
+from kernel_testing import LAYOUTS, in_layout, make_paged_batch, step_kv, tolerance
 from torch.nn import functional as F
 
 from llmserve.cpuinfo import cpu_fields, cpu_flags
 from llmserve.kernels import cpu as cpu_kernels
 from llmserve.kernels.reference import ref_paged_attention
 from llmserve.layers.rotary import RotaryEmbedding
-from llmserve.runner.kv_cache import transposed_keys
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
 DTYPES = [torch.float32, torch.bfloat16]
-
-
-LAYOUTS = ["tokens", "keys-transposed"]
-
-
-def in_layout(k_cache: torch.Tensor, layout: str) -> torch.Tensor:
-    """The K pool as the cpp backend stores it (``kv_cache.allocate``): the same values, each
-    block kept as [kv_heads, head_dim, block_size] behind the view."""
-    if layout == "tokens":
-        return k_cache
-    transposed = transposed_keys(k_cache)
-    assert not transposed.is_contiguous()
-    torch.testing.assert_close(transposed, k_cache, equal_nan=True, rtol=0, atol=0)
-    return transposed
 
 
 def fp32_reference(batch, scale: float) -> torch.Tensor:
@@ -136,21 +121,11 @@ def test_prompt_first_chunks_by_sdpa(case, dtype, layout, sdpa_min_rows):
 def check_varlen_step(case, dtype, layout: str, rows: str, sdpa_min_rows: int) -> None:
     head_dim, block_size, num_heads, num_kv_heads, q_lens, seq_lens = case
     batch = make_paged_batch(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype)
-    slots = [
-        int(batch.block_tables[b, p // block_size]) * block_size + p % block_size
-        for b, (q_len, ctx) in enumerate(zip(q_lens, seq_lens))
-        for p in range(ctx - q_len, ctx)
-    ]
-    new_k = torch.cat([k[ctx - q_len :] for k, q_len, ctx in zip(batch.keys, q_lens, seq_lens)])
-    new_v = torch.cat([v[ctx - q_len :] for v, q_len, ctx in zip(batch.values, q_lens, seq_lens)])
-    k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
-    slot_mapping = torch.tensor(slots)
-    for cache in (k_cache, v_cache):
-        cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = float("nan")
+    k, v, slot_mapping, k_cache, v_cache = step_kv(batch, q_lens, seq_lens)
     k_cache = in_layout(k_cache, layout)
     scale = head_dim**-0.5
     tokens = batch.q.shape[0]
-    q, k, v = (x.reshape(tokens, -1) for x in (batch.q, new_k, new_v))
+    q = batch.q.reshape(tokens, -1)
     out = cpu_kernels.paged_attention(
         *as_rows(q, k, v, rows), k_cache, v_cache, slot_mapping, batch.block_tables,
         batch.seq_lens, batch.query_start_loc, scale, sdpa_min_rows,

@@ -5,7 +5,8 @@
                           attention_chunk_impl.h, the online softmax; attention_scores_impl.h,
                           q . k on either K layout); decode_attention:
                           a decode-only step's K/V write and attention in one call;
-                          paged_attention: the same for any step (prompt chunks, causal)
+                          paged_attention: the same for any step (prompt chunks, causal);
+                          each takes a sliding window
     kernels_bindings.cpp  the hot functions bound directly for Python (``_direct()``: no
                           dispatcher on the per-layer path, the GIL released as each runs:
                           bindings.h); all stay registered as torch ops
@@ -146,13 +147,17 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """q ``[n, H, D]``, caches ``[blocks, block_size, kvh, D]`` (all fp32 or all bf16),
     ``block_tables [n, >= ceil(len / block_size)]`` int32, ``seq_lens [n]`` int32 ->
-    ``[n, H, D]`` in q's dtype (fp32 arithmetic)."""
+    ``[n, H, D]`` in q's dtype (fp32 arithmetic). ``window`` > 0: a sliding window, the query
+    (at position len - 1) sees the last ``window`` tokens only."""
     if out is None:
         out = torch.empty_like(q)
-    _direct().paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, out)
+    _direct().paged_decode_attention(
+        q, k_cache, v_cache, block_tables, seq_lens, scale, out, window
+    )
     return out
 
 
@@ -166,11 +171,13 @@ def decode_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     """A step of decodes in one call: ``k, v [T, kvh * D]`` written at ``slot_mapping``, then
-    ``q [T, H * D]`` attends over each sequence's blocks -> ``[T, H * D]``."""
+    ``q [T, H * D]`` attends over each sequence's blocks (its last ``window`` tokens if
+    ``window`` > 0) -> ``[T, H * D]``."""
     return _direct().decode_attention(
-        q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, scale
+        q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, scale, window
     )
 
 
@@ -186,6 +193,7 @@ def paged_attention(
     query_start_loc: torch.Tensor,
     scale: float,
     sdpa_min_rows: int | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """Any step (prompt chunks and decodes) in one call: ``k, v [T, kvh * D]`` written at
     ``slot_mapping``, then sequence s's query rows ``q[query_start_loc[s]:query_start_loc[s +
@@ -193,12 +201,14 @@ def paged_attention(
     ``[T, H * D]``. ``block_tables [S, >= ceil(len / block_size)]``, ``seq_lens [S]`` and
     ``query_start_loc [S + 1]`` are int32. A prompt's first chunk of at least
     ``sdpa_min_rows`` rows (0: none; None: ``prompt_sdpa_min_rows`` for q's dtype) is attended
-    by torch's SDPA instead of this library's kernel."""
+    by torch's SDPA instead of this library's kernel (not when it outgrows ``window``).
+    ``window`` > 0: a sliding window, the row at position p sees tokens ``[p - window + 1,
+    p]`` only."""
     if sdpa_min_rows is None:
         sdpa_min_rows = prompt_sdpa_min_rows(q.dtype)
     return _direct().paged_attention(
         q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale,
-        sdpa_min_rows,
+        sdpa_min_rows, window,
     )  # fmt: skip
 
 

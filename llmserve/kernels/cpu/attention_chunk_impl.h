@@ -152,6 +152,17 @@ inline void mask_beyond(const int64_t* limits, int64_t heads, int64_t b0, int64_
   }
 }
 
+// scores [h * stride + i] of token b0 + i = -inf where that token lies before lower[h] (a
+// sliding window's first visible token)
+inline void mask_before(const int64_t* lower, int64_t heads, int64_t b0, int64_t n,
+                        float* scores, int64_t stride) {
+  for (int64_t h = 0; h < heads; ++h) {
+    const int64_t end = std::min(lower[h] - b0, n);
+    std::fill(scores + h * stride, scores + h * stride + std::max<int64_t>(end, 0),
+              -std::numeric_limits<float>::infinity());
+  }
+}
+
 constexpr int64_t kCachedContextBytes = 1 << 20;  // K + V of one sequence held in L2
 
 // Attend the query rows in w (num_heads of them, put there by load_query) over tokens [t0, t1)
@@ -161,12 +172,15 @@ constexpr int64_t kCachedContextBytes = 1 << 20;  // K + V of one sequence held 
 // pass), then the blocks' V rows. The next blocks' K and V are asked for while this one is
 // computed, and the scores never leave L1. Leaves acc [num_heads, head_dim] unnormalised
 // (chunk order), m and l [num_heads]. ``limits`` (causal prompt rows, else null): head h sees
-// tokens [t0, limits[h]) only; the first token must be visible to every head.
+// tokens [t0, limits[h]) only. ``lower`` (a sliding window, else null): head h sees tokens
+// from lower[h] on; a head whose first step holds none of its tokens skips it (m stays -inf).
+// Every head must see at least one token of [t0, t1).
 template <typename T>
 void attend_chunk(const Shape& sh, const T* k_cache, const T* v_cache, const int32_t* table,
                   int64_t t0, int64_t t1, Scratch& w, float* acc, float* m, float* l,
-                  const int64_t* limits = nullptr) {
+                  const int64_t* limits = nullptr, const int64_t* lower = nullptr) {
   const int64_t H = sh.num_heads, D = sh.head_dim, bs = sh.block_size;
+  const int64_t lower_end = lower == nullptr ? t0 : *std::max_element(lower, lower + H);
   const int64_t stride = bs * step_blocks(bs);  // a head's scores in the scratch
   std::fill(acc, acc + H * D, 0.f);
   std::fill(m, m + H, -std::numeric_limits<float>::infinity());
@@ -264,14 +278,20 @@ void attend_chunk(const Shape& sh, const T* k_cache, const T* v_cache, const int
       k_ahead.finish();
     }
     if (limits != nullptr) mask_beyond(limits, H, s0, sn, w.scores.data(), stride);
+    if (s0 < lower_end) mask_before(lower, H, s0, sn, w.scores.data(), stride);
     for (int64_t h = 0; h < H; ++h) {
       const float mx = running_max(w.scores.data() + h * stride, sn, m[h]);
-      w.correction[h] = m[h] - mx;
+      w.correction[h] = mx == -std::numeric_limits<float>::infinity() ? mx : m[h] - mx;
       m[h] = mx;
     }
     exp_inplace(w.correction.data(), H);  // ~0 on the first step (m = -inf), where acc = l = 0
     for (int64_t h = 0; h < H; ++h) {
-      l[h] = l[h] * w.correction[h] + exp_and_sum(w.scores.data() + h * stride, sn, m[h]);
+      float* p = w.scores.data() + h * stride;
+      if (m[h] == -std::numeric_limits<float>::infinity()) {  // nothing visible yet: weights 0
+        std::fill(p, p + sn, 0.f);
+        continue;
+      }
+      l[h] = l[h] * w.correction[h] + exp_and_sum(p, sn, m[h]);
     }
     // The V rows. Decode rows (from memory): block by block, each next block asked for
     // while this one is read. Prompt rows (their context re-read item after item, from the

@@ -25,9 +25,14 @@
 // sequences, one item is one sequence with all its heads, so a block of K (all KV heads,
 // contiguous) is streamed from memory once.
 //
-// paged_attention takes any step (prompt chunks and decodes): an item is up to 4 query rows
+// paged_attention takes any step (prompt chunks and decodes): an item is up to 16 query rows
 // of one sequence, attended as one sequence whose heads are those rows' heads, each row seeing
-// its context up to its own position (attend_varlen in paged_attention_impl.h). Prompts whose
+// its context up to its own position (attend_varlen in paged_attention_impl.h).
+//
+// A sliding window (``window`` > 0, Mistral's and Gemma's local layers): the query at position
+// p sees tokens [p - window + 1, p] only. An item starts its walk at the block of its first
+// visible token, and the scores of tokens before a row's window are masked as those past its
+// position are, so a long context costs a windowed layer window tokens a row, not the context. Prompts whose
 // whole context is the step's chunk may go to torch's SDPA instead (prompt_sdpa: bf16 on
 // AMX, where its flash attention's GEMMs run 2-3x this kernel on whole prompts).
 
@@ -91,7 +96,13 @@ struct Batch {
   const int32_t *tables, *lens;  // tables: [num_seqs, max_blocks], lens: [num_seqs]
   void* out;
   const uint8_t* skip = nullptr;  // paged_attention: [num_seqs], 1 = left to prompt_sdpa
+  int64_t window = 0;  // a sliding window (0: none): the query at position p sees [p - window + 1, p]
 };
+
+// The first token the query at position p sees: 0, or the sliding window's first.
+inline int64_t window_start(const Batch& b, int64_t p) {
+  return b.window > 0 ? std::max<int64_t>(0, p - b.window + 1) : 0;
+}
 
 // A thread's buffers: the scaled fp32 query (and its bf16 pairs for vdpbf16ps), a block's
 // scores, accumulators, m, l, corrections.
@@ -110,11 +121,13 @@ constexpr int64_t kMaxStepBlocks = kStepTokens;  // step_blocks at block size 1
 struct Scratch {
   std::vector<float> q, scores, acc, m, l, correction, ones;
   std::vector<uint32_t> qw;
+  std::vector<int64_t> lower;  // each head's first visible token (a sliding window)
   explicit Scratch(const Shape& sh)
       : q(sh.num_heads * sh.head_dim),
         scores(sh.num_heads * sh.block_size * step_blocks(sh.block_size)),
         acc(sh.num_heads * sh.head_dim), m(sh.num_heads), l(sh.num_heads),
-        correction(sh.num_heads), ones(sh.num_heads, 1.f), qw(sh.num_heads * sh.head_dim / 2 + 1) {}
+        correction(sh.num_heads), ones(sh.num_heads, 1.f), qw(sh.num_heads * sh.head_dim / 2 + 1),
+        lower(sh.num_heads) {}
 };
 
 }  // namespace
@@ -141,7 +154,7 @@ inline bool rows_apart(int64_t rows, int64_t row_stride, int64_t row_len) {
 
 Batch check_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                    const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-                   at::Tensor& out) {
+                   at::Tensor& out, int64_t window) {
   const auto dtype = q.scalar_type();
   TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && k_cache.scalar_type() == dtype &&
                   v_cache.scalar_type() == dtype && out.scalar_type() == dtype,
@@ -172,6 +185,8 @@ Batch check_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
   b.sh.dp_bf16 = b.sh.k_t && dtype == at::kBFloat16 && b.sh.head_dim % 2 == 0 &&
                  llmserve::current_isa() == llmserve::Isa::kAvx512Bf16;
   b.sh.scale = static_cast<float>(scale);
+  TORCH_CHECK(window >= 0, "window must be 0 (none) or a sliding window's length, got ", window);
+  b.window = window;
   b.num_seqs = seq_lens.numel();
   b.max_blocks = block_tables.size(1);
   TORCH_CHECK(block_tables.size(0) == b.num_seqs,
@@ -196,16 +211,20 @@ Batch check_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
 int64_t num_chunks(const Batch& b) {
   const int64_t threads = at::get_num_threads();
   if (b.num_seqs >= 4 * threads) return 1;
-  const int64_t longest = *std::max_element(b.lens, b.lens + b.num_seqs);
-  const int64_t longest_blocks = (longest + b.sh.block_size - 1) / b.sh.block_size;
+  int64_t longest_blocks = 0;  // of the blocks a query reads (a window's, if any)
+  for (int64_t s = 0; s < b.num_seqs; ++s) {
+    const int64_t bs = b.sh.block_size, first = window_start(b, b.lens[s] - 1) / bs;
+    longest_blocks = std::max(longest_blocks, (b.lens[s] + bs - 1) / bs - first);
+  }
   const int64_t want = (4 * threads + b.num_seqs - 1) / b.num_seqs;
   return std::max<int64_t>(1, std::min(want, longest_blocks / 4));  // >= 4 blocks a chunk
 }
 
 void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables,
-                            const at::Tensor& seq_lens, double scale, at::Tensor& out) {
-  const Batch b = check_inputs(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
+                            const at::Tensor& seq_lens, double scale, at::Tensor& out,
+                            int64_t window) {
+  Batch b = check_inputs(q, k_cache, v_cache, block_tables, seq_lens, scale, out, window);
   TORCH_CHECK(q.size(0) == b.num_seqs, "paged_decode_attention: one query row per sequence");
   if (b.num_seqs == 0) return;
   const int64_t chunks = num_chunks(b);
@@ -271,11 +290,12 @@ at::Tensor write_kv_and_split_heads(const char* op, const at::Tensor& q, const a
 // paged_decode_attention, without a dozen Python-level view/copy calls per layer around them.
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping,
-                            const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+                            const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                            int64_t window) {
   const at::Tensor q3 =
       write_kv_and_split_heads("decode_attention", q, k, v, k_cache, v_cache, slot_mapping);
   at::Tensor out = at::empty({q3.size(0), q3.size(1), q3.size(2)}, q3.options());
-  paged_decode_attention(q3, k_cache, v_cache, block_tables, seq_lens, scale, out);
+  paged_decode_attention(q3, k_cache, v_cache, block_tables, seq_lens, scale, out, window);
   return out.view({q.size(0), q.size(1)});
 }
 
@@ -313,12 +333,12 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
                            at::Tensor& k_cache, at::Tensor& v_cache,
                            const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                            const at::Tensor& seq_lens, const at::Tensor& query_start,
-                           double scale, int64_t sdpa_min_rows) {
+                           double scale, int64_t sdpa_min_rows, int64_t window) {
   const at::Tensor q3 =
       write_kv_and_split_heads("paged_attention", q, k, v, k_cache, v_cache, slot_mapping);
   const int64_t tokens = q.size(0);
   at::Tensor out = at::empty({q3.size(0), q3.size(1), q3.size(2)}, q3.options());
-  Batch b = check_inputs(q3, k_cache, v_cache, block_tables, seq_lens, scale, out);
+  Batch b = check_inputs(q3, k_cache, v_cache, block_tables, seq_lens, scale, out, window);
   TORCH_CHECK(query_start.scalar_type() == at::kInt && query_start.is_contiguous() &&
                   query_start.numel() == b.num_seqs + 1,
               "paged_attention: query_start must be int32 [num_seqs + 1]");
@@ -331,7 +351,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
     const int64_t q_len = qs[s + 1] - qs[s];
     TORCH_CHECK(qs[s] <= qs[s + 1] && q_len <= b.lens[s], "paged_attention: sequence ", s,
                 " has ", q_len, " query rows for a context of ", b.lens[s]);
-    by_sdpa[s] = sdpa_min_rows > 0 && q_len >= sdpa_min_rows && q_len == b.lens[s];
+    by_sdpa[s] = sdpa_min_rows > 0 && q_len >= sdpa_min_rows && q_len == b.lens[s] &&
+                 (window == 0 || q_len <= window);  // SDPA here is causal, without a window
     if (by_sdpa[s]) sdpa_starts[q_len].push_back(qs[s]);
   }
   b.skip = by_sdpa.data();
@@ -359,7 +380,7 @@ void llmserve_bind_paged_attention(pybind11::module_& m) {
 TORCH_LIBRARY(llmserve_cpu, m) {
   m.def(
       "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-      "Tensor seq_lens, float scale, Tensor(a!) out) -> ()");
+      "Tensor seq_lens, float scale, Tensor(a!) out, int window=0) -> ()");
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);
   m.def("set_isa(str name) -> str", &set_isa);
 }

@@ -26,19 +26,29 @@ inline void store_scaled(T* out, const float* acc, float inv, int64_t D) {
   for (; d < D; ++d) put_f32(out + d, acc[d] * inv);
 }
 
+// Every head's first visible token = first (a sliding window's) in w.lower; null when that
+// is the chunk's first token t0 (nothing to mask).
+inline const int64_t* same_lower(Scratch& w, int64_t first, int64_t t0) {
+  if (first <= t0) return nullptr;
+  std::fill(w.lower.begin(), w.lower.end(), first);
+  return w.lower.data();
+}
+
 // One work item per sequence, taken by the threads as they come free: out_h = acc_h / l_h.
+// A sliding window starts the walk at the block of its first token.
 template <typename T>
 void attend_per_sequence(const Batch& b) {
-  const int64_t H = b.sh.num_heads, D = b.sh.head_dim;
+  const int64_t H = b.sh.num_heads, D = b.sh.head_dim, bs = b.sh.block_size;
   const T* q = static_cast<const T*>(b.q);
   T* out = static_cast<T*>(b.out);
   auto scratch = [&] { return Scratch(b.sh); };
   ::llmserve::parallel_take(b.num_seqs, 1, scratch, [&](Scratch& w, int64_t begin, int64_t end) {
     for (int64_t s = begin; s < end; ++s) {
+      const int64_t first = window_start(b, b.lens[s] - 1), t0 = first / bs * bs;
       scaled_query(b.sh, q + s * b.q_stride, w);
       attend_chunk(b.sh, static_cast<const T*>(b.k_cache),
-                   static_cast<const T*>(b.v_cache), b.tables + s * b.max_blocks, 0, b.lens[s], w,
-                   w.acc.data(), w.m.data(), w.l.data());
+                   static_cast<const T*>(b.v_cache), b.tables + s * b.max_blocks, t0, b.lens[s], w,
+                   w.acc.data(), w.m.data(), w.l.data(), nullptr, same_lower(w, first, t0));
       for (int64_t h = 0; h < H; ++h) {
         store_scaled(out + (s * H + h) * D, w.acc.data() + h * D, 1.f / w.l[h], D);
       }
@@ -47,7 +57,7 @@ void attend_per_sequence(const Batch& b) {
 }
 
 // Split-K (flash-decoding): chunk c of sequence s covers whole blocks [c * per, (c + 1) * per)
-// of its table; each chunk leaves (m, l, acc), then one reduction per (sequence, head)
+// of its table (counted from the block of a sliding window's first token); each chunk leaves (m, l, acc), then one reduction per (sequence, head)
 // rescales them to the common maximum M:  out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c.
 template <typename T>
 void attend_split(const Batch& b, int64_t chunks) {
@@ -59,8 +69,10 @@ void attend_split(const Batch& b, int64_t chunks) {
   ::llmserve::parallel_take(items, 1, scratch, [&](Scratch& w, int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / chunks, c = item % chunks, len = b.lens[s];
-      const int64_t per = ((len + bs - 1) / bs + chunks - 1) / chunks;  // blocks per chunk
-      const int64_t t0 = std::min(c * per * bs, len), t1 = std::min((c + 1) * per * bs, len);
+      const int64_t first = window_start(b, len - 1), fb = first / bs;
+      const int64_t per = ((len + bs - 1) / bs - fb + chunks - 1) / chunks;  // blocks per chunk
+      const int64_t t0 = std::min((fb + c * per) * bs, len);
+      const int64_t t1 = std::min((fb + (c + 1) * per) * bs, len);
       float* m = part_m.data() + item * H;
       float* l = part_l.data() + item * H;
       if (t0 >= t1) {  // a short sequence has fewer chunks than the longest
@@ -71,7 +83,7 @@ void attend_split(const Batch& b, int64_t chunks) {
       scaled_query(b.sh, q + s * b.q_stride, w);
       attend_chunk(b.sh, static_cast<const T*>(b.k_cache),
                    static_cast<const T*>(b.v_cache), b.tables + s * b.max_blocks, t0, t1, w,
-                   part_acc.data() + item * H * D, m, l);
+                   part_acc.data() + item * H * D, m, l, nullptr, same_lower(w, first, t0));
     }
   });
   T* out = static_cast<T*>(b.out);
@@ -100,7 +112,8 @@ void attend_split(const Batch& b, int64_t chunks) {
 // work item is up to item_rows(H) consecutive query rows of one sequence; its rows' heads that
 // share a KV head are attended together as if they were one sequence's heads (virtual head
 // g * rows * G + r * G + i is head g * G + i of row r), so each K/V chunk is loaded once for
-// all of them, and row r (position p) sees tokens [0, p] only. Items run longest first and
+// all of them, and row r (position p) sees tokens [0, p] only (from a sliding window's first
+// token on: the item's walk starts at the block of its first row's). Items run longest first and
 // are taken by the threads as they come free (their costs differ by the context lengths).
 // 16 rows (144 heads of the default model, one K/V load for 48 query vectors): measured on a
 // Zen 5 host against 4 (benchmarks.prompt_attention shapes, alternated call by call in one
@@ -117,7 +130,7 @@ inline int64_t item_rows(int64_t num_heads) {
 
 template <typename T>
 void attend_varlen(const Batch& b, const int32_t* query_start) {
-  const int64_t H = b.sh.num_heads, D = b.sh.head_dim, G = b.sh.group;
+  const int64_t H = b.sh.num_heads, D = b.sh.head_dim, G = b.sh.group, bs = b.sh.block_size;
   const int64_t per_item = item_rows(H);
   struct Item { int64_t seq, row0, rows, cost; };
   std::vector<Item> items;
@@ -126,7 +139,7 @@ void attend_varlen(const Batch& b, const int32_t* query_start) {
     const int64_t q_len = query_start[s + 1] - query_start[s], first = b.lens[s] - q_len;
     for (int64_t r0 = 0; r0 < q_len; r0 += per_item) {
       const int64_t rows = std::min(per_item, q_len - r0);
-      items.push_back({s, r0, rows, rows * (first + r0 + rows)});
+      items.push_back({s, r0, rows, rows * (first + r0 + rows - window_start(b, first + r0))});
     }
   }
   std::stable_sort(items.begin(), items.end(),
@@ -152,20 +165,24 @@ void attend_varlen(const Batch& b, const int32_t* query_start) {
       const Item& item = items[it];
       const int64_t row = query_start[item.seq] + item.row0;  // the item's first row of q
       const int64_t first = b.lens[item.seq] - (query_start[item.seq + 1] - query_start[item.seq]);
+      const int64_t p0 = first + item.row0;  // the item's first position
+      const int64_t t0 = window_start(b, p0) / bs * bs;
       vs.num_heads = H * item.rows, vs.group = G * item.rows;
       for (int64_t g = 0; g < b.sh.kv_heads; ++g) {
         for (int64_t r = 0; r < item.rows; ++r) {
           for (int64_t i = 0; i < G; ++i) {
             const int64_t vh = (g * item.rows + r) * G + i;
-            limits[vh] = first + item.row0 + r + 1;
+            limits[vh] = p0 + r + 1;
+            w.lower[vh] = window_start(b, p0 + r);
             load_query(vs, q + (row + r) * b.q_stride + (g * G + i) * D, vh, w);
           }
         }
       }
+      const bool windowed = window_start(b, p0 + item.rows - 1) > t0;
       attend_chunk(vs, static_cast<const T*>(b.k_cache),
-                   static_cast<const T*>(b.v_cache), b.tables + item.seq * b.max_blocks, 0,
-                   first + item.row0 + item.rows, w, w.acc.data(), w.m.data(), w.l.data(),
-                   item.rows > 1 ? limits.data() : nullptr);
+                   static_cast<const T*>(b.v_cache), b.tables + item.seq * b.max_blocks, t0,
+                   p0 + item.rows, w, w.acc.data(), w.m.data(), w.l.data(),
+                   item.rows > 1 ? limits.data() : nullptr, windowed ? w.lower.data() : nullptr);
       for (int64_t g = 0; g < b.sh.kv_heads; ++g) {
         for (int64_t r = 0; r < item.rows; ++r) {
           for (int64_t i = 0; i < G; ++i) {
