@@ -16,10 +16,10 @@ loads it all again.
 from __future__ import annotations
 
 import os
+from pydoc_data.topics import topics
 
 import pytest
 import torch
-from pydoc_data.topics import topics
 
 from llmserve import LLM, SamplingParams
 from tests.conftest import assert_no_leaks
