@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from llmserve.kernels import cpu as cpu_kernels
 from llmserve.layers.module import Module
 
 
@@ -40,11 +41,25 @@ def get_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     return ACTIVATIONS[name]
 
 
+# gated activations the C++ kernels fuse with the product (one pass over gate|up rows)
+CPP_GATED = {
+    F.silu: cpu_kernels.silu_and_mul,
+    _gelu_tanh: cpu_kernels.gelu_tanh_and_mul,
+}
+
+
 class MLP(Module):
-    """``gated``: ``gate_up_proj`` holds gate then up rows; else ``up_proj``. Then ``down_proj``."""
+    """``gated``: ``gate_up_proj`` holds gate then up rows; else ``up_proj``. Then ``down_proj``.
+    ``kernels="cpp"``: a gated SiLU or tanh-GELU in one C++ pass (``CPP_GATED``)."""
 
     def __init__(
-        self, hidden_size: int, intermediate_size: int, act: str, gated: bool, bias: bool = False
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        act: str,
+        gated: bool,
+        bias: bool = False,
+        kernels: str = "torch",
     ):
         super().__init__()
         self.gated = gated
@@ -56,8 +71,11 @@ class MLP(Module):
             self.up_proj = nn.Linear(hidden_size, width, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         self.act = get_activation(act)
+        self.fused = CPP_GATED.get(self.act) if gated and kernels == "cpp" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None:  # float32 or bfloat16 (resolve_attention_backend)
+            return self.down_proj(self.fused(self.gate_up_proj(x)))
         if self.gated:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, intermediate] each
             return self.down_proj(self.act(gate) * up)

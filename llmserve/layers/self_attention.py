@@ -12,7 +12,7 @@ from torch import nn
 
 from llmserve.layers.attention import Attention, KVCache
 from llmserve.layers.attention_metadata import AttentionMetadata
-from llmserve.layers.layernorm import make_norm
+from llmserve.layers.layernorm import kernels_for, make_norm
 from llmserve.layers.module import Module
 from llmserve.layers.position import Rope
 
@@ -82,8 +82,9 @@ class SelfAttention(Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.out_bias)
         self.q_norm = self.k_norm = None
         if cfg.qk_norm is not None:
-            self.q_norm = make_norm(cfg.qk_norm, cfg.head_dim, cfg.qk_norm_eps)
-            self.k_norm = make_norm(cfg.qk_norm, cfg.head_dim, cfg.qk_norm_eps)
+            kernels = kernels_for(backend)
+            self.q_norm = make_norm(cfg.qk_norm, cfg.head_dim, cfg.qk_norm_eps, kernels=kernels)
+            self.k_norm = make_norm(cfg.qk_norm, cfg.head_dim, cfg.qk_norm_eps, kernels=kernels)
         self.rotary = None if cfg.rope is None else shared_rope(cfg, max_model_len, rope_cache)
         scale = cfg.head_dim**-0.5 if cfg.scale is None else cfg.scale
         self.attn = Attention(

@@ -23,7 +23,7 @@ from torch import nn
 
 from llmserve.layers.attention import KVCache
 from llmserve.layers.attention_metadata import AttentionMetadata
-from llmserve.layers.layernorm import make_norm
+from llmserve.layers.layernorm import kernels_for, make_norm
 from llmserve.layers.mlp import MLP
 from llmserve.layers.module import Module
 from llmserve.layers.moe import SparseMoE
@@ -163,10 +163,12 @@ class DecoderLayer(Module):
                 mlp.act,
             )
         else:
-            self.mlp = MLP(hidden, mlp.intermediate_size, mlp.act, mlp.gated, mlp.bias)
+            self.mlp = MLP(
+                hidden, mlp.intermediate_size, mlp.act, mlp.gated, mlp.bias, kernels_for(backend)
+            )
 
         def norm() -> nn.Module:
-            return make_norm(spec.norm, hidden, spec.norm_eps, spec.norm_bias)
+            return make_norm(spec.norm, hidden, spec.norm_eps, spec.norm_bias, kernels_for(backend))
 
         self.attn_norm = norm()
         self.mlp_norm = None if spec.layout == "parallel" else norm()
@@ -243,7 +245,10 @@ class DecoderLM(Module):
             )
             self.register_buffer("sinusoidal", table, persistent=False)
         if spec.embed_norm:
-            self.embed_norm = make_norm(spec.norm, spec.hidden_size, spec.norm_eps, spec.norm_bias)
+            self.embed_norm = make_norm(
+                spec.norm, spec.hidden_size, spec.norm_eps, spec.norm_bias,
+                kernels_for(attention_backend),
+            )  # fmt: skip
         if spec.project_dim:
             self.project_in = nn.Linear(spec.project_dim, spec.hidden_size, bias=False)
             self.project_out = nn.Linear(spec.hidden_size, spec.project_dim, bias=False)
@@ -254,7 +259,10 @@ class DecoderLM(Module):
         )
         self.norm = None
         if spec.final_norm:
-            self.norm = make_norm(spec.norm, spec.hidden_size, spec.norm_eps, spec.norm_bias)
+            self.norm = make_norm(
+                spec.norm, spec.hidden_size, spec.norm_eps, spec.norm_bias,
+                kernels_for(attention_backend),
+            )  # fmt: skip
         self.tie_word_embeddings = spec.tie_word_embeddings
         self.lm_head = nn.Linear(embed_dim, spec.vocab_size, bias=spec.lm_head_bias)
         if self.tie_word_embeddings:

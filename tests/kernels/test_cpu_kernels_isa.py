@@ -254,14 +254,33 @@ def test_rms_norm_and_fused_residual(isa, dtype, width):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_rms_norm_fp32_weight(isa, dtype):
+    """Gemma's norm: the rows times ``1 + w`` kept in fp32 (not rounded to bf16 first)."""
+    x, weight = _bf16_exact(9, 256, scale=3), 1 + torch.randn(256) * 0.1
+    out = cpu_kernels.rms_norm(x.to(dtype), weight, 1e-6)
+    assert out.dtype == dtype
+    expected = F.rms_norm(x, (256,), weight, 1e-6)
+    tol = {"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 2**-8, "atol": 0}
+    torch.testing.assert_close(out.float(), expected, **tol)  # bf16: one rounding at the store
+
+
+GATED = {"silu": (cpu_kernels.silu_and_mul, F.silu), "gelu_tanh": (
+    cpu_kernels.gelu_tanh_and_mul, lambda g: F.gelu(g, approximate="tanh"),
+)}  # fmt: skip
+
+
+@pytest.mark.parametrize("act", GATED.keys())
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("width", [1536, 12, 5])
-def test_silu_and_mul(isa, dtype, width):
+def test_act_and_mul(isa, dtype, width, act):
+    kernel, reference = GATED[act]
     x = _bf16_exact(50, 2 * width, scale=6)
     x[0, :4] = torch.tensor([-100.0, 100.0, -88.5, 0.0])  # exp's clamped range and zero
-    out = cpu_kernels.silu_and_mul(x.to(dtype))
+    out = kernel(x.to(dtype))
     assert out.shape == (50, width) and out.dtype == dtype
-    expected = F.silu(x[:, :width]) * x[:, width:]
-    tol = {"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float32 else tolerance(dtype)
+    x64 = x.double()  # torch's fp32 tanh-GELU loses precision near 0 (1 + tanh(u) cancels)
+    expected = (reference(x64[:, :width]) * x64[:, width:]).float()
+    tol = {"rtol": 2e-6, "atol": 1e-6} if dtype == torch.float32 else tolerance(dtype)
     torch.testing.assert_close(out.float(), expected, **tol)
 
 

@@ -10,7 +10,8 @@
     kernels_bindings.cpp  the hot functions bound directly for Python (``_direct()``: no
                           dispatcher on the per-layer path, the GIL released as each runs:
                           bindings.h); all stay registered as torch ops
-    fused.cpp             rms_norm, fused_add_rms_norm_, silu_and_mul, rotary_interleaved:
+    fused.cpp             rms_norm, fused_add_rms_norm_, silu_and_mul, gelu_tanh_and_mul,
+                          rotary_interleaved:
                           one pass over memory each; argmax_rows and draw_rows, greedy and
                           temperature sampling from the logits (body: fused_impl.h)
     gemm.cpp              linear_f32_pack, linear_f32: the fp32 linear on a weight packed at
@@ -228,8 +229,11 @@ def prompt_sdpa_min_rows(dtype: torch.dtype) -> int:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``x / sqrt(mean(x^2) + eps) * weight`` over the last dimension."""
-    return _direct().rms_norm(x, weight.to(x.dtype), eps)
+    """``x / sqrt(mean(x^2) + eps) * weight`` over the last dimension; a float32 weight stays
+    float32 (bf16 rows times fp32 weights, rounded once: Gemma's ``1 + w``)."""
+    if weight.dtype != torch.float32:
+        weight = weight.to(x.dtype)
+    return _direct().rms_norm(x, weight, eps)
 
 
 def fused_add_rms_norm_(
@@ -243,6 +247,11 @@ def fused_add_rms_norm_(
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``[..., 2d] -> silu(x[..., :d]) * x[..., d:]``."""
     return _direct().silu_and_mul(x)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``[..., 2d] -> gelu_tanh(x[..., :d]) * x[..., d:]`` (GeGLU with GELU's tanh form)."""
+    return _direct().gelu_tanh_and_mul(x)
 
 
 def rotary_interleaved(

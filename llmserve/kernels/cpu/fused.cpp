@@ -3,8 +3,10 @@
 // (x*x, mean, rsqrt, mul, mul, ...) over memory.
 //
 //   rms_norm(x, w, eps)                 out = x / sqrt(mean(x^2) + eps) * w          [T, d]
+//                                       (w in x's dtype, or fp32: Gemma's 1 + w unrounded)
 //   fused_add_rms_norm_(x, r, w, eps)   r += x;  x = rms_norm(r, w, eps)     (both in place)
 //   silu_and_mul(x)                     out = silu(x[:, :d]) * x[:, d:]        [T, 2d] -> [T, d]
+//   gelu_tanh_and_mul(x)                the same with GELU's tanh form (Gemma's GeGLU)
 //   rotary_interleaved(x, pos, cis)     pairs (x[2i], x[2i+1]) of every head, rotated by the
 //                                       angle of their position: out = x * (cos + i sin)
 //   argmax_rows(x)                      out[r] = the first index of row r's largest value, as
@@ -34,6 +36,7 @@
 namespace {
 constexpr int64_t kGrain = 16;  // rows per task at least: a row is a few microseconds
 constexpr int64_t kArgmaxBlock = 256;  // values a block max covers (argmax_row)
+enum class Act { kSilu, kGeluTanh };   // the gate of act_and_mul (fused_impl.h)
 }  // namespace
 
 #define LLMSERVE_ISA_IMPL "fused_impl.h"
@@ -61,14 +64,17 @@ T* ptr(const at::Tensor& t) {
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_dtype(x, "x");
-  check_same_dtype(x, weight, "weight");
+  if (weight.scalar_type() != at::kFloat) check_same_dtype(x, weight, "weight");
   const int64_t d = weight.numel();
   TORCH_CHECK(x.size(-1) == d, "rms_norm: x's last dimension ", x.size(-1), " != weight's ", d);
   const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
   at::Tensor out = at::empty_like(xc);
   const int64_t rows = xc.numel() / d;
   const float e = static_cast<float>(eps);
-  if (x.scalar_type() == at::kBFloat16) {
+  if (x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kFloat) {
+    LLMSERVE_DISPATCH(
+        rms_norm_rows(ptr<const bf16>(xc), ptr<const float>(wc), ptr<bf16>(out), rows, d, e));
+  } else if (x.scalar_type() == at::kBFloat16) {
     LLMSERVE_DISPATCH(
         rms_norm_rows(ptr<const bf16>(xc), ptr<const bf16>(wc), ptr<bf16>(out), rows, d, e));
   } else {
@@ -98,21 +104,30 @@ void fused_add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& 
   }
 }
 
-at::Tensor silu_and_mul(const at::Tensor& x) {
+template <Act A>
+at::Tensor act_and_mul(const at::Tensor& x, const char* name) {
   check_dtype(x, "x");
   const int64_t d = x.size(-1) / 2;
-  TORCH_CHECK(x.size(-1) == 2 * d, "silu_and_mul: the last dimension must be even");
+  TORCH_CHECK(x.size(-1) == 2 * d, name, ": the last dimension must be even");
   const at::Tensor xc = x.contiguous();
   auto sizes = xc.sizes().vec();
   sizes.back() = d;
   at::Tensor out = at::empty(sizes, xc.options());
   const int64_t rows = xc.numel() / (2 * d);
   if (x.scalar_type() == at::kBFloat16) {
-    LLMSERVE_DISPATCH(silu_and_mul_rows(ptr<const bf16>(xc), ptr<bf16>(out), rows, d));
+    LLMSERVE_DISPATCH(act_and_mul_rows<A>(ptr<const bf16>(xc), ptr<bf16>(out), rows, d));
   } else {
-    LLMSERVE_DISPATCH(silu_and_mul_rows(ptr<const float>(xc), ptr<float>(out), rows, d));
+    LLMSERVE_DISPATCH(act_and_mul_rows<A>(ptr<const float>(xc), ptr<float>(out), rows, d));
   }
   return out;
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  return act_and_mul<Act::kSilu>(x, "silu_and_mul");
+}
+
+at::Tensor gelu_tanh_and_mul(const at::Tensor& x) {
+  return act_and_mul<Act::kGeluTanh>(x, "gelu_tanh_and_mul");
 }
 
 template <typename T>
@@ -199,6 +214,7 @@ void llmserve_bind_fused(pybind11::module_& m) {
   m.def("rms_norm", &rms_norm, ReleaseGil());
   m.def("fused_add_rms_norm_", &fused_add_rms_norm_, ReleaseGil());
   m.def("silu_and_mul", &silu_and_mul, ReleaseGil());
+  m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, ReleaseGil());
   m.def("rotary_interleaved", &rotary_interleaved, ReleaseGil());
   m.def("argmax_rows", &argmax_rows, ReleaseGil());
   m.def("draw_rows", &draw_rows, ReleaseGil());
@@ -208,6 +224,7 @@ TORCH_LIBRARY_FRAGMENT(llmserve_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("fused_add_rms_norm_(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("gelu_tanh_and_mul(Tensor x) -> Tensor");
   m.def("rotary_interleaved(Tensor x, Tensor positions, Tensor cis, int head_dim) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("draw_rows(Tensor x, Tensor inv_temperature, Tensor u, Tensor top_p, Tensor min_p)"
@@ -215,6 +232,7 @@ TORCH_LIBRARY_FRAGMENT(llmserve_cpu, m) {
   m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);
   m.impl("fused_add_rms_norm_", c10::DispatchKey::CPU, &fused_add_rms_norm_);
   m.impl("silu_and_mul", c10::DispatchKey::CPU, &silu_and_mul);
+  m.impl("gelu_tanh_and_mul", c10::DispatchKey::CPU, &gelu_tanh_and_mul);
   m.impl("rotary_interleaved", c10::DispatchKey::CPU, &rotary_interleaved);
   m.impl("argmax_rows", c10::DispatchKey::CPU, &argmax_rows);
   m.impl("draw_rows", c10::DispatchKey::CPU, &draw_rows);

@@ -17,9 +17,9 @@ inline float sum_squares(const T* x, int64_t n) {
   return sum;
 }
 
-// out[i] = x[i] * scale * w[i]
-template <typename T>
-inline void scale_mul(T* out, const T* x, const T* w, float scale, int64_t n) {
+// out[i] = x[i] * scale * w[i] (w in T, or fp32)
+template <typename T, typename TW>
+inline void scale_mul(T* out, const T* x, const TW* w, float scale, int64_t n) {
   constexpr int64_t W = Vec::W;
   const Vec sv = Vec::set1(scale);
   int64_t i = 0;
@@ -38,8 +38,8 @@ inline void add_into(T* r, const T* x, int64_t n) {
   for (; i < n; ++i) put_f32(r + i, to_f32(r[i]) + to_f32(x[i]));
 }
 
-template <typename T>
-void rms_norm_rows(const T* x, const T* w, T* out, int64_t rows, int64_t d, float eps) {
+template <typename T, typename TW>
+void rms_norm_rows(const T* x, const TW* w, T* out, int64_t rows, int64_t d, float eps) {
   at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float scale = 1.f / std::sqrt(sum_squares(x + r * d, d) / d + eps);
@@ -61,9 +61,26 @@ void add_rms_norm_rows(T* x, T* residual, const T* w, int64_t rows, int64_t d, f
   });
 }
 
-// out[r] = silu(x[r, :d]) * x[r, d:], rows of 2d -> rows of d
-template <typename T>
-void silu_and_mul_rows(const T* x, T* out, int64_t rows, int64_t d) {
+// The gates of act_and_mul_rows as g * sigmoid(a * u(g)), by minus_arg(g) = -a * u(g) (Act in
+// fused.cpp): silu(g) = g * sigmoid(g); GELU's tanh form 0.5 g (1 + tanh(u)) = g * sigmoid(2u),
+// u = sqrt(2 / pi) (g + 0.044715 g^3), so -2u = g * (kA + kB g^2).
+constexpr float kGeluA = -2.f * 0.7978845608028654f, kGeluB = kGeluA * 0.044715f;
+
+template <Act A>
+inline Vec minus_arg(Vec g) {
+  if constexpr (A == Act::kSilu) return Vec::sub(Vec::zero(), g);
+  return Vec::mul(g, Vec::fma(Vec::mul(g, g), Vec::set1(kGeluB), Vec::set1(kGeluA)));
+}
+
+template <Act A>
+inline float minus_arg(float g) {
+  if constexpr (A == Act::kSilu) return -g;
+  return g * (kGeluA + kGeluB * g * g);
+}
+
+// out[r] = act(x[r, :d]) * x[r, d:], rows of 2d -> rows of d; act(g) = g / (1 + e^minus_arg(g))
+template <Act A, typename T>
+void act_and_mul_rows(const T* x, T* out, int64_t rows, int64_t d) {
   constexpr int64_t W = Vec::W;
   at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
     const Vec one = Vec::set1(1.f);
@@ -74,12 +91,12 @@ void silu_and_mul_rows(const T* x, T* out, int64_t rows, int64_t d) {
       int64_t i = 0;
       for (; i + W <= d; i += W) {
         const Vec g = Vec::load(gate + i);
-        const Vec sig = Vec::recip(Vec::add(one, Vec::exp(Vec::sub(Vec::zero(), g))));
+        const Vec sig = Vec::recip(Vec::add(one, Vec::exp(minus_arg<A>(g))));
         Vec::mul(Vec::mul(g, sig), Vec::load(up + i)).store(o + i);
       }
       for (; i < d; ++i) {
         const float g = to_f32(gate[i]);
-        put_f32(o + i, g / (1.f + std::exp(-g)) * to_f32(up[i]));
+        put_f32(o + i, g / (1.f + std::exp(minus_arg<A>(g))) * to_f32(up[i]));
       }
     }
   });

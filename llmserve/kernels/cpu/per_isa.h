@@ -4,7 +4,7 @@
 //
 //     #define LLMSERVE_ISA_IMPL "fused_impl.h"
 //     #include "per_isa.h"
-//     ... LLMSERVE_DISPATCH(silu_and_mul_rows(x, out, rows, d));
+//     ... LLMSERVE_DISPATCH(act_and_mul_rows<Act::kSilu>(x, out, rows, d));
 
 namespace {  // internal: each file compiles its own copies
 namespace isa_scalar {
