@@ -1,7 +1,8 @@
-"""Position schemes besides the Llama path's fused RoPE (``rotary.py``), in plain torch:
+"""Position schemes besides the Llama path's fused RoPE (``rotary.py``):
 
 * ``Rope``: rotary on the first ``rotary_dim`` channels of each head (partial rotary: NeoX,
-  Phi, GPT-J), pairs as split halves ("neox") or adjacent channels ("gptj"), any base.
+  Phi, GPT-J), pairs as split halves ("neox") or adjacent channels ("gptj"), any base; the
+  split halves by a C++ kernel on the cpp backend.
 * ``alibi_slopes``: ALiBi's per-head slopes (BLOOM's and MPT's orderings differ when the head
   count is not a power of two); the bias itself is added in ``paged_attention_eager``.
 * ``sinusoidal_positions``: fixed absolute embeddings (XGLM / fairseq).
@@ -15,6 +16,7 @@ from typing import Any
 
 import torch
 
+from llmserve.kernels import cpu as cpu_kernels
 from llmserve.layers.module import Module
 from llmserve.layers.rotary import compute_inv_freq
 
@@ -30,8 +32,10 @@ class Rope(Module):
         max_position: int,
         max_model_len: int,
         is_neox: bool = True,
+        kernels: str = "torch",
     ):
         super().__init__()
+        self.kernels = kernels  # "cpp": NeoX pairs by the C++ kernel (rotary_neox)
         if rotary_dim % 2 or rotary_dim > head_dim:
             raise ValueError(
                 f"rotary_dim {rotary_dim} must be even and at most head_dim {head_dim}"
@@ -46,6 +50,9 @@ class Rope(Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.kernels == "cpp" and self.is_neox:  # float32 or bfloat16 (the cpp backend)
+            args = (positions, self.cos, self.sin, self.head_dim, self.rotary_dim)
+            return cpu_kernels.rotary_neox(q, *args), cpu_kernels.rotary_neox(k, *args)
         cos = self.cos[positions].float()[:, None, :]  # [T, 1, rotary_dim // 2]
         sin = self.sin[positions].float()[:, None, :]
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)

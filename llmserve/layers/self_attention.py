@@ -46,14 +46,18 @@ class AttentionConfig:
     qk_norm_eps: float = 1e-6
 
 
-def shared_rope(cfg: AttentionConfig, max_model_len: int, cache: dict[str, Rope] | None) -> Rope:
+def shared_rope(
+    cfg: AttentionConfig, max_model_len: int, cache: dict[str, Rope] | None, kernels: str
+) -> Rope:
     """One ``Rope`` module (and cos/sin table) per distinct RoPE config, shared by the layers."""
     r = cfg.rope
     assert r is not None
     key = repr((cfg.head_dim, r.rotary_dim, sorted(r.params.items()), r.max_position, r.is_neox))
     if cache is not None and key in cache:
         return cache[key]
-    rope = Rope(cfg.head_dim, r.rotary_dim, r.params, r.max_position, max_model_len, r.is_neox)
+    rope = Rope(
+        cfg.head_dim, r.rotary_dim, r.params, r.max_position, max_model_len, r.is_neox, kernels
+    )
     if cache is not None:
         cache[key] = rope
     return rope
@@ -81,11 +85,13 @@ class SelfAttention(Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, width, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.out_bias)
         self.q_norm = self.k_norm = None
+        kernels = kernels_for(backend)
         if cfg.qk_norm is not None:
-            kernels = kernels_for(backend)
             self.q_norm = make_norm(cfg.qk_norm, cfg.head_dim, cfg.qk_norm_eps, kernels=kernels)
             self.k_norm = make_norm(cfg.qk_norm, cfg.head_dim, cfg.qk_norm_eps, kernels=kernels)
-        self.rotary = None if cfg.rope is None else shared_rope(cfg, max_model_len, rope_cache)
+        self.rotary = (
+            None if cfg.rope is None else shared_rope(cfg, max_model_len, rope_cache, kernels)
+        )
         scale = cfg.head_dim**-0.5 if cfg.scale is None else cfg.scale
         self.attn = Attention(
             cfg.num_heads,

@@ -21,6 +21,7 @@ from torch.nn import functional as F
 from llmserve.cpuinfo import cpu_fields, cpu_flags
 from llmserve.kernels import cpu as cpu_kernels
 from llmserve.kernels.reference import ref_paged_attention
+from llmserve.layers.position import Rope
 from llmserve.layers.rotary import RotaryEmbedding
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
@@ -300,6 +301,29 @@ def test_rotary_interleaved(isa, dtype):
         assert out.dtype == dtype
         tol = tolerance(torch.bfloat16 if torch.bfloat16 in (dtype, cis.dtype) else dtype)
         torch.testing.assert_close(out.float(), expected, **tol)
+
+
+@pytest.mark.parametrize("rotary_dim", [64, 40, 6])  # whole vectors, a tail, partial rotary
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_rotary_neox_matches_torch(isa, dtype, rotary_dim):
+    """NeoX's split halves against the plain-torch ``Rope`` on a strided view of fused q|k|v,
+    with fp32 tables and with the bf16 tables a bf16 model holds; later channels copied."""
+    head_dim, heads = 64, 5
+    params = {"rope_theta": 10000.0, "rope_type": "default"}
+    rope = Rope(head_dim, rotary_dim, params, 512, 512, is_neox=True, kernels="torch")
+    qkv = _bf16_exact(20, (heads + 3) * head_dim)
+    positions = torch.randint(0, 512, (20,))
+    q = qkv[:, : heads * head_dim]
+    k = qkv[:, heads * head_dim : (heads + 1) * head_dim]
+    expected_q, expected_k = rope(positions, q, k)  # fp32
+    for tables in ((rope.cos, rope.sin), (rope.cos.to(dtype), rope.sin.to(dtype))):
+        x = qkv.to(dtype)[:, : heads * head_dim]
+        out = cpu_kernels.rotary_neox(x, positions, *tables, head_dim, rotary_dim)
+        assert out.dtype == dtype and out.shape == x.shape
+        tol = tolerance(torch.bfloat16 if torch.bfloat16 in (dtype, tables[0].dtype) else dtype)
+        torch.testing.assert_close(out.float(), expected_q, **tol)
+        out_k = cpu_kernels.rotary_neox(k.to(dtype), positions, *tables, head_dim, rotary_dim)
+        torch.testing.assert_close(out_k.float(), expected_k, **tol)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])

@@ -11,7 +11,7 @@
                           dispatcher on the per-layer path, the GIL released as each runs:
                           bindings.h); all stay registered as torch ops
     fused.cpp             rms_norm, fused_add_rms_norm_, silu_and_mul, gelu_tanh_and_mul,
-                          rotary_interleaved:
+                          rotary_interleaved, rotary_neox:
                           one pass over memory each; argmax_rows and draw_rows, greedy and
                           temperature sampling from the logits (body: fused_impl.h)
     gemm.cpp              linear_f32_pack, linear_f32: the fp32 linear on a weight packed at
@@ -252,6 +252,21 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``[..., 2d] -> gelu_tanh(x[..., :d]) * x[..., d:]`` (GeGLU with GELU's tanh form)."""
     return _direct().gelu_tanh_and_mul(x)
+
+
+def rotary_neox(
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    head_dim: int,
+    rotary_dim: int,
+) -> torch.Tensor:
+    """NeoX's rotary on ``x [T, heads * head_dim]`` (rows may be strided): in each head, the
+    pairs (x[i], x[i + rotary_dim / 2]) rotated by the angle i of ``positions[t]`` (``cos``,
+    ``sin [max_positions, rotary_dim / 2]``, fp32 or bf16), later channels copied -> a new
+    ``[T, heads * head_dim]`` tensor."""
+    return _direct().rotary_neox(x, positions, cos, sin, head_dim, rotary_dim)
 
 
 def rotary_interleaved(

@@ -9,6 +9,8 @@
 //   gelu_tanh_and_mul(x)                the same with GELU's tanh form (Gemma's GeGLU)
 //   rotary_interleaved(x, pos, cis)     pairs (x[2i], x[2i+1]) of every head, rotated by the
 //                                       angle of their position: out = x * (cos + i sin)
+//   rotary_neox(x, pos, cos, sin, D, rd)  the same for pairs (x[i], x[i + rd/2]), i < rd/2 (NeoX's
+//                                       split halves; channels rd..D copied)
 //   argmax_rows(x)                      out[r] = the first index of row r's largest value, as
 //                                       torch.max(x, -1).indices              [R, n] -> [R]
 //   draw_rows(x, inv_t, u, p, m)        out[r] = a draw from softmax(x[r] * inv_t[r]) at the
@@ -169,6 +171,53 @@ at::Tensor rotary_interleaved(const at::Tensor& x, const at::Tensor& positions, 
   return out;
 }
 
+template <typename T>
+void rotary_neox_dispatch(const at::Tensor& x, const int64_t* positions, const at::Tensor& cos,
+                          const at::Tensor& sin, at::Tensor& out, int64_t heads, int64_t head_dim,
+                          int64_t rotary_dim) {
+  const int64_t tokens = x.size(0), stride = x.stride(0);
+  if (cos.scalar_type() == at::kBFloat16) {
+    LLMSERVE_DISPATCH(rotary_neox_rows(ptr<const T>(x), stride, positions, ptr<const bf16>(cos),
+                                       ptr<const bf16>(sin), ptr<T>(out), tokens, heads, head_dim,
+                                       rotary_dim));
+  } else {
+    LLMSERVE_DISPATCH(rotary_neox_rows(ptr<const T>(x), stride, positions, ptr<const float>(cos),
+                                       ptr<const float>(sin), ptr<T>(out), tokens, heads,
+                                       head_dim, rotary_dim));
+  }
+}
+
+at::Tensor rotary_neox(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos,
+                       const at::Tensor& sin, int64_t head_dim, int64_t rotary_dim) {
+  check_dtype(x, "x");
+  check_dtype(cos, "cos");
+  check_same_dtype(cos, sin, "sin");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % head_dim == 0,
+              "rotary_neox: x must be [tokens, heads * head_dim] with unit column stride");
+  TORCH_CHECK(rotary_dim % 2 == 0 && rotary_dim > 0 && rotary_dim <= head_dim,
+              "rotary_neox: rotary_dim must be even, in 2..head_dim, got ", rotary_dim);
+  TORCH_CHECK(cos.dim() == 2 && cos.size(1) * 2 == rotary_dim && cos.is_contiguous() &&
+                  sin.sizes() == cos.sizes() && sin.is_contiguous(),
+              "rotary_neox: cos and sin must be [max_positions, rotary_dim / 2], contiguous");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == x.size(0),
+              "rotary_neox: positions must be int64, one per token");
+  const int64_t tokens = x.size(0), width = x.size(1), max_pos = cos.size(0);
+  at::Tensor out = at::empty({tokens, width}, x.options());
+  const at::Tensor pos = positions.contiguous();
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(pp[t] >= 0 && pp[t] < max_pos, "rotary_neox: position ", pp[t], " outside 0..",
+                max_pos - 1);
+  }
+  const int64_t heads = width / head_dim;
+  if (x.scalar_type() == at::kBFloat16) {
+    rotary_neox_dispatch<bf16>(x, pp, cos, sin, out, heads, head_dim, rotary_dim);
+  } else {
+    rotary_neox_dispatch<float>(x, pp, cos, sin, out, heads, head_dim, rotary_dim);
+  }
+  return out;
+}
+
 at::Tensor argmax_rows(const at::Tensor& x) {
   check_dtype(x, "x");
   TORCH_CHECK(x.dim() == 2 && x.size(1) > 0, "argmax_rows: x must be [rows, n] with n > 0");
@@ -216,6 +265,7 @@ void llmserve_bind_fused(pybind11::module_& m) {
   m.def("silu_and_mul", &silu_and_mul, ReleaseGil());
   m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, ReleaseGil());
   m.def("rotary_interleaved", &rotary_interleaved, ReleaseGil());
+  m.def("rotary_neox", &rotary_neox, ReleaseGil());
   m.def("argmax_rows", &argmax_rows, ReleaseGil());
   m.def("draw_rows", &draw_rows, ReleaseGil());
 }
@@ -226,6 +276,8 @@ TORCH_LIBRARY_FRAGMENT(llmserve_cpu, m) {
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("gelu_tanh_and_mul(Tensor x) -> Tensor");
   m.def("rotary_interleaved(Tensor x, Tensor positions, Tensor cis, int head_dim) -> Tensor");
+  m.def("rotary_neox(Tensor x, Tensor positions, Tensor cos, Tensor sin, int head_dim, "
+        "int rotary_dim) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("draw_rows(Tensor x, Tensor inv_temperature, Tensor u, Tensor top_p, Tensor min_p)"
         " -> Tensor");
@@ -234,6 +286,7 @@ TORCH_LIBRARY_FRAGMENT(llmserve_cpu, m) {
   m.impl("silu_and_mul", c10::DispatchKey::CPU, &silu_and_mul);
   m.impl("gelu_tanh_and_mul", c10::DispatchKey::CPU, &gelu_tanh_and_mul);
   m.impl("rotary_interleaved", c10::DispatchKey::CPU, &rotary_interleaved);
+  m.impl("rotary_neox", c10::DispatchKey::CPU, &rotary_neox);
   m.impl("argmax_rows", c10::DispatchKey::CPU, &argmax_rows);
   m.impl("draw_rows", c10::DispatchKey::CPU, &draw_rows);
 }

@@ -125,6 +125,41 @@ void rotary_rows(const T* x, int64_t row_stride, const int64_t* positions, const
   });
 }
 
+// NeoX's rotary (split halves): out[t, h * D + i] and [... + i + half] = the pair (x_i,
+// x_{i + half}) of head h, i < half = rotary_dim / 2, rotated by position[t]'s angle i (tables
+// cos, sin [positions, half]); channels rotary_dim..D are copied
+template <typename T, typename C>
+void rotary_neox_rows(const T* x, int64_t row_stride, const int64_t* positions, const C* cos,
+                      const C* sin, T* out, int64_t tokens, int64_t heads, int64_t head_dim,
+                      int64_t rotary_dim) {
+  constexpr int64_t W = Vec::W;
+  const int64_t half = rotary_dim / 2, width = heads * head_dim;
+  at::parallel_for(0, tokens, kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const C* c = cos + positions[t] * half;
+      const C* s = sin + positions[t] * half;
+      for (int64_t h = 0; h < heads; ++h) {
+        const T* in = x + t * row_stride + h * head_dim;
+        T* o = out + t * width + h * head_dim;
+        int64_t i = 0;
+        for (; i + W <= half; i += W) {
+          const Vec a = Vec::load(in + i), b = Vec::load(in + i + half);
+          const Vec cv = Vec::load(c + i), sv = Vec::load(s + i);
+          Vec::sub(Vec::mul(a, cv), Vec::mul(b, sv)).store(o + i);
+          Vec::add(Vec::mul(b, cv), Vec::mul(a, sv)).store(o + i + half);
+        }
+        for (; i < half; ++i) {
+          const float a = to_f32(in[i]), b = to_f32(in[i + half]);
+          const float cs = to_f32(c[i]), sn = to_f32(s[i]);
+          put_f32(o + i, a * cs - b * sn);
+          put_f32(o + i + half, b * cs + a * sn);
+        }
+        std::copy(in + rotary_dim, in + head_dim, o + rotary_dim);
+      }
+    }
+  });
+}
+
 // The first index of the largest of x[0, n) as torch.max(dim=-1).indices gives it, value by
 // value: a NaN counts as the largest (the first NaN wins), ties go to the first index
 inline bool takes_lead(float v, float best) { return std::isnan(v) || v > best; }
