@@ -9,7 +9,9 @@ heads, 3 KV heads, head_dim 64), K stored as the cpp backend stores it and the b
 query row attends over its prompt up to itself. A prompt's K/V stay in the caches while its
 rows re-read them, so this kernel is bound by its arithmetic, not by memory: compare the
 GFLOP/s with the machine's fp32 matmul rate (``../shared/tools/roofline.py``). Counted: the
-causal QK^T and PV products, 4 * heads * head_dim * L (L + 1) / 2 per prompt.
+causal QK^T and PV products, 4 * heads * head_dim * L (L + 1) / 2 per prompt (with
+``--window W``, a sliding window, the pairs each row sees: min(p + 1, W) for row p).
+``--shape H KVH D`` sets the heads (Gemma 3 270M: 4 1 256).
 ``--sdpa-min-rows N`` hands prompts of N tokens or more to torch's SDPA inside the same call,
 as the engine does in bf16 on CPUs with AMX (``kernels.cpu.prompt_sdpa_min_rows``); the
 default, 0, times this library's kernel alone.
@@ -30,11 +32,13 @@ from llmserve.kernels import cpu as cpu_kernels
 SHAPE = (9, 3, 64)  # query heads, KV heads, head_dim of the default model
 
 
-def make_step(batch: int, prompt_len: int, block_size: int, dtype: torch.dtype, seed: int):
+def make_step(
+    batch: int, prompt_len: int, block_size: int, dtype: torch.dtype, seed: int, shape=SHAPE
+):
     """The arguments of ``cpu_kernels.paged_attention`` for ``batch`` whole prompts."""
-    num_heads, num_kv_heads, head_dim = SHAPE
+    num_heads, num_kv_heads, head_dim = shape
     _, k_cache, v_cache, tables, seq_lens = make_batch(
-        batch, prompt_len, block_size, dtype, SHAPE, seed, keys_transposed=True
+        batch, prompt_len, block_size, dtype, shape, seed, keys_transposed=True
     )
     gen = torch.Generator().manual_seed(seed)
     tokens = batch * prompt_len
@@ -48,13 +52,15 @@ def make_step(batch: int, prompt_len: int, block_size: int, dtype: torch.dtype, 
 
 
 def measure(args: argparse.Namespace) -> list[dict]:
-    num_heads, _, head_dim = SHAPE
-    flops = 4 * num_heads * head_dim * args.batch * args.prompt_len * (args.prompt_len + 1) / 2
+    num_heads, _, head_dim = shape = tuple(args.shape)
+    window = args.window or args.prompt_len
+    pairs = sum(min(p + 1, window) for p in range(args.prompt_len))  # per prompt and head
+    flops = 4 * num_heads * head_dim * args.batch * pairs
     steps = {}
     for dtype_name in args.dtypes:
         dtype = getattr(torch, dtype_name)
         layers = [
-            make_step(args.batch, args.prompt_len, args.block_size, dtype, seed)
+            make_step(args.batch, args.prompt_len, args.block_size, dtype, seed, shape)
             for seed in range(args.layers)
         ]
         for isa in args.isas:
@@ -65,7 +71,9 @@ def measure(args: argparse.Namespace) -> list[dict]:
             with cpu_kernels.forced_isa(key[1]):
                 start = time.perf_counter()
                 for step in layers:
-                    cpu_kernels.paged_attention(*step, head_dim**-0.5, args.sdpa_min_rows)
+                    cpu_kernels.paged_attention(
+                        *step, head_dim**-0.5, args.sdpa_min_rows, args.window
+                    )
                 times[key].append(time.perf_counter() - start)
     rows = []
     for (dtype_name, isa), samples in times.items():
@@ -84,11 +92,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--sdpa-min-rows", type=int, default=0,
                    help="prompts from this many tokens go to torch's SDPA (0: none; default 0, "
                         "this library's kernel alone)")  # fmt: skip
+    p.add_argument("--shape", type=int, nargs=3, default=list(SHAPE),
+                   metavar=("HEADS", "KV_HEADS", "HEAD_DIM"))  # fmt: skip
+    p.add_argument("--window", type=int, default=0, help="a sliding window (0: none)")
     args = parse_run_args(p, argv, layers=4)
     rows = measure(args)
     print(
-        f"prompt attention, {args.batch} prompts x {args.prompt_len} tokens, block size "
-        f"{args.block_size}, {args.layers} layers, {torch.get_num_threads()} threads"
+        f"prompt attention, {args.batch} prompts x {args.prompt_len} tokens, heads "
+        f"{args.shape}, window {args.window or 'none'}, block size {args.block_size}, "
+        f"{args.layers} layers, {torch.get_num_threads()} threads"
     )
     cols = ("dtype", "isa", "ms_per_layer", "gflops")
     print(format_table(cols, [[r[c] for c in cols] for r in rows]))

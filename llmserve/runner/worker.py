@@ -13,7 +13,7 @@ from llmserve.config import EngineConfig
 from llmserve.layers.attention import has_eager_attention
 from llmserve.layers.cpu_linear import can_pack, has_native_bf16, pack_linear_layers
 from llmserve.loader import ResolvedModel, iter_weights
-from llmserve.memory import release_freed_memory
+from llmserve.memory import keep_freed_memory, release_freed_memory
 from llmserve.models.registry import get_model_class
 from llmserve.quantization import loading as quantization
 from llmserve.quantization.linear import default_kernel as default_quant_kernel
@@ -124,6 +124,8 @@ def load_model(
         if moved:
             logger.info("quantized blocks: %.1f MiB in huge pages", moved / 2**20)
     release_freed_memory()  # the checkpoint's tensors and the copies made from them
+    if device.type == "cpu":
+        keep_freed_memory()  # the steps' activations reused, not faulted in again each step
     return model
 
 
