@@ -1,4 +1,4 @@
-"""Host memory for long-lived tensors that kernels stream: transparent huge pages.
+"""Host memory: transparent huge pages for long-lived tensors that kernels stream, and the heap.
 
 With 4 KiB pages, a kernel that streams hundreds of MiB (a decode step's weights, a KV pool's
 scattered blocks) takes a TLB miss every 4 KiB. A region of anonymous memory aligned to 2 MiB
@@ -6,6 +6,9 @@ and marked ``MADV_HUGEPAGE`` is backed by 2 MiB pages where the kernel's THP set
 ``madvise`` or ``always`` (and by ordinary pages where it is ``never``: nothing is lost). The
 KV pool (``runner/kv_cache.py``) and the packed weights of llmserve's own GEMMs
 (``layers/cpu_linear.py``) live in such regions; the measurements are next to those uses.
+
+Short-lived tensors (a step's activations) come from glibc's heap: ``release_freed_memory``
+hands the load's leftovers back, ``keep_freed_memory`` then keeps what steps free for the next.
 """
 
 from __future__ import annotations
