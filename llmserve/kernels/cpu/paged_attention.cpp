@@ -27,14 +27,14 @@
 //
 // paged_attention takes any step (prompt chunks and decodes): an item is up to 16 query rows
 // of one sequence, attended as one sequence whose heads are those rows' heads, each row seeing
-// its context up to its own position (attend_varlen in paged_attention_impl.h).
+// its context up to its own position (attend_varlen in paged_attention_impl.h). Prompts whose
+// whole context is the step's chunk may go to torch's SDPA instead (prompt_sdpa: bf16 on
+// AMX, where its flash attention's GEMMs run 2-3x this kernel on whole prompts).
 //
 // A sliding window (``window`` > 0, Mistral's and Gemma's local layers): the query at position
 // p sees tokens [p - window + 1, p] only. An item starts its walk at the block of its first
 // visible token, and the scores of tokens before a row's window are masked as those past its
-// position are, so a long context costs a windowed layer window tokens a row, not the context. Prompts whose
-// whole context is the step's chunk may go to torch's SDPA instead (prompt_sdpa: bf16 on
-// AMX, where its flash attention's GEMMs run 2-3x this kernel on whole prompts).
+// position are: a long context costs a windowed layer window tokens a row, not the context.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -96,7 +96,7 @@ struct Batch {
   const int32_t *tables, *lens;  // tables: [num_seqs, max_blocks], lens: [num_seqs]
   void* out;
   const uint8_t* skip = nullptr;  // paged_attention: [num_seqs], 1 = left to prompt_sdpa
-  int64_t window = 0;  // a sliding window (0: none): the query at position p sees [p - window + 1, p]
+  int64_t window = 0;  // a sliding window (0: none): position p sees [p - window + 1, p]
 };
 
 // The first token the query at position p sees: 0, or the sliding window's first.
@@ -290,8 +290,8 @@ at::Tensor write_kv_and_split_heads(const char* op, const at::Tensor& q, const a
 // paged_decode_attention, without a dozen Python-level view/copy calls per layer around them.
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping,
-                            const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-                            int64_t window) {
+                            const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                            double scale, int64_t window) {
   const at::Tensor q3 =
       write_kv_and_split_heads("decode_attention", q, k, v, k_cache, v_cache, slot_mapping);
   at::Tensor out = at::empty({q3.size(0), q3.size(1), q3.size(2)}, q3.options());

@@ -57,8 +57,9 @@ void attend_per_sequence(const Batch& b) {
 }
 
 // Split-K (flash-decoding): chunk c of sequence s covers whole blocks [c * per, (c + 1) * per)
-// of its table (counted from the block of a sliding window's first token); each chunk leaves (m, l, acc), then one reduction per (sequence, head)
-// rescales them to the common maximum M:  out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c.
+// of its table (counted from the block of a sliding window's first token); each chunk leaves
+// (m, l, acc), then one reduction per (sequence, head) rescales them to the common maximum M:
+//   out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c.
 template <typename T>
 void attend_split(const Batch& b, int64_t chunks) {
   const int64_t H = b.sh.num_heads, D = b.sh.head_dim, bs = b.sh.block_size;
@@ -113,8 +114,8 @@ void attend_split(const Batch& b, int64_t chunks) {
 // share a KV head are attended together as if they were one sequence's heads (virtual head
 // g * rows * G + r * G + i is head g * G + i of row r), so each K/V chunk is loaded once for
 // all of them, and row r (position p) sees tokens [0, p] only (from a sliding window's first
-// token on: the item's walk starts at the block of its first row's). Items run longest first and
-// are taken by the threads as they come free (their costs differ by the context lengths).
+// token on: the item's walk starts at the block of its first row's). Items run longest first
+// and are taken by the threads as they come free (their costs differ by the context lengths).
 // 16 rows (144 heads of the default model, one K/V load for 48 query vectors): measured on a
 // Zen 5 host against 4 (benchmarks.prompt_attention shapes, alternated call by call in one
 // process, nine rounds, medians), fp32 1 x 2048 tokens 300 -> 321 GFLOP/s, 8 x 256 199 -> 224;
