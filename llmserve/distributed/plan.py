@@ -103,7 +103,8 @@ def validate_parallel(config: Any) -> None:
 def model_dims(hf_config: Any) -> ModelDims:
     """Heads, MLP and vocabulary sizes of ``hf_config``'s model (a decoder.py family's from its
     spec, which knows the family's config names), or a clear error if layers differ."""
-    from llmserve.models.decoder import DecoderLM, MoEConfig
+    from llmserve.models.decoder import DecoderLM
+    from llmserve.models.decoder_spec import MoEConfig
     from llmserve.models.registry import get_model_class
 
     model_class = get_model_class(hf_config)
@@ -131,9 +132,10 @@ def model_dims(hf_config: Any) -> ModelDims:
 
 
 def rank_spec(spec: Any, shard: RankShard) -> Any:
-    """The ``models.decoder.DecoderSpec`` of one rank's model: its query and KV heads (and
+    """The ``models.decoder_spec.DecoderSpec`` of one rank's model: its query and KV heads (and
     their ALiBi slopes), MLP or expert columns and vocabulary rows."""
-    from llmserve.models.decoder import AttentionConfig, MLPConfig, MoEConfig
+    from llmserve.layers.self_attention import AttentionConfig
+    from llmserve.models.decoder_spec import MLPConfig, MoEConfig
 
     (q0, q1), (kv0, kv1) = shard.q_heads, shard.kv_heads
 

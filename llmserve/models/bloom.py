@@ -9,7 +9,8 @@ import torch
 
 from llmserve.layers.position import alibi_slopes
 from llmserve.layers.self_attention import AttentionConfig
-from llmserve.models.decoder import DecoderLM, DecoderSpec, MLPConfig, rename_rules, require
+from llmserve.models.decoder import DecoderLM
+from llmserve.models.decoder_spec import DecoderSpec, MLPConfig, rename_rules, require
 
 
 def heads_interleaved_to_qkv(tensor: torch.Tensor, num_heads: int) -> torch.Tensor:

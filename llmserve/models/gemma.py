@@ -12,10 +12,10 @@ from __future__ import annotations
 from typing import Any
 
 from llmserve.layers.self_attention import AttentionConfig
-from llmserve.models.decoder import (
+from llmserve.models.decoder import DecoderLM
+from llmserve.models.decoder_spec import (
     LLAMA_LAYER_PARTS,
     LLAMA_TOP,
-    DecoderLM,
     DecoderSpec,
     MLPConfig,
     layer_windows,

@@ -7,7 +7,8 @@ from typing import Any
 import torch
 
 from llmserve.layers.self_attention import AttentionConfig
-from llmserve.models.decoder import DecoderLM, DecoderSpec, MLPConfig, rename_rules, require
+from llmserve.models.decoder import DecoderLM
+from llmserve.models.decoder_spec import DecoderSpec, MLPConfig, rename_rules, require
 
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 

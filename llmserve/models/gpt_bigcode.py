@@ -8,7 +8,8 @@ import torch
 
 from llmserve.layers.self_attention import AttentionConfig
 from llmserve.models.bloom import heads_interleaved_to_qkv
-from llmserve.models.decoder import DecoderLM, DecoderSpec, MLPConfig, rename_rules, require
+from llmserve.models.decoder import DecoderLM
+from llmserve.models.decoder_spec import DecoderSpec, MLPConfig, rename_rules, require
 
 
 class GPTBigCodeForCausalLM(DecoderLM):

@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from llmserve.layers.self_attention import AttentionConfig, RopeConfig
-from llmserve.models.decoder import DecoderLM, DecoderSpec, MLPConfig, rename_rules
+from llmserve.models.decoder import DecoderLM
+from llmserve.models.decoder_spec import DecoderSpec, MLPConfig, rename_rules
 
 
 class GPTJForCausalLM(DecoderLM):

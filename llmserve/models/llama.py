@@ -19,7 +19,7 @@ from llmserve.layers.attention_metadata import AttentionMetadata
 from llmserve.layers.layernorm import RMSNorm
 from llmserve.layers.module import Module
 from llmserve.layers.rotary import RotaryEmbedding, rope_parameters, to_interleaved
-from llmserve.models.decoder import layer_windows
+from llmserve.models.decoder_spec import layer_windows
 
 
 class LlamaAttention(Module):

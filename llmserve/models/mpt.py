@@ -6,7 +6,8 @@ from typing import Any
 
 from llmserve.layers.position import alibi_slopes
 from llmserve.layers.self_attention import AttentionConfig
-from llmserve.models.decoder import DecoderLM, DecoderSpec, MLPConfig, rename_rules, require
+from llmserve.models.decoder import DecoderLM
+from llmserve.models.decoder_spec import DecoderSpec, MLPConfig, rename_rules, require
 
 
 class MptForCausalLM(DecoderLM):

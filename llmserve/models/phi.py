@@ -6,14 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from llmserve.layers.self_attention import AttentionConfig
-from llmserve.models.decoder import (
-    DecoderLM,
-    DecoderSpec,
-    MLPConfig,
-    rename_rules,
-    require,
-    rope_config,
-)
+from llmserve.models.decoder import DecoderLM
+from llmserve.models.decoder_spec import DecoderSpec, MLPConfig, rename_rules, require, rope_config
 
 
 class PhiForCausalLM(DecoderLM):

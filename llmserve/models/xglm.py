@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from llmserve.layers.self_attention import AttentionConfig
-from llmserve.models.decoder import DecoderLM, DecoderSpec, MLPConfig, rename_rules
+from llmserve.models.decoder import DecoderLM
+from llmserve.models.decoder_spec import DecoderSpec, MLPConfig, rename_rules
 
 
 class XGLMForCausalLM(DecoderLM):
