@@ -324,6 +324,10 @@ def test_rotary_neox_matches_torch(isa, dtype, rotary_dim):
         torch.testing.assert_close(out.float(), expected_q, **tol)
         out_k = cpu_kernels.rotary_neox(k.to(dtype), positions, *tables, head_dim, rotary_dim)
         torch.testing.assert_close(out_k.float(), expected_k, **tol)
+    with pytest.raises(RuntimeError, match="rotary_neox: position 600 outside 0..511"):
+        cpu_kernels.rotary_neox(q, torch.full((20,), 600), rope.cos, rope.sin, head_dim, rotary_dim)
+    with pytest.raises(RuntimeError, match="rotary_dim must be even"):
+        cpu_kernels.rotary_neox(q, positions, rope.cos, rope.sin, head_dim, rotary_dim + 1)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])

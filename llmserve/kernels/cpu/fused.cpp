@@ -145,24 +145,33 @@ void rotary_dispatch(const at::Tensor& x, const int64_t* positions, const at::Te
   }
 }
 
+// positions [tokens] int64, each in 0..max_pos - 1 (a row of the rotary tables), contiguous
+at::Tensor checked_positions(const char* op, const at::Tensor& positions, int64_t tokens,
+                             int64_t max_pos) {
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == tokens, op,
+              ": positions must be int64, one per token");
+  at::Tensor pos = positions.contiguous();
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(pp[t] >= 0 && pp[t] < max_pos, op, ": position ", pp[t], " outside 0..",
+                max_pos - 1);
+  }
+  return pos;
+}
+
 at::Tensor rotary_interleaved(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cis,
                               int64_t head_dim) {
   check_dtype(x, "x");
   check_dtype(cis, "cis");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "rotary_interleaved: x must be [tokens, heads * head_dim] with unit column stride");
-  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == x.size(0),
-              "rotary_interleaved: positions must be int64, one per token");
   TORCH_CHECK(cis.dim() == 3 && cis.size(1) * 2 == head_dim && cis.size(2) == 2 && cis.is_contiguous(),
               "rotary_interleaved: cis must be [max_positions, head_dim / 2, 2]");
   TORCH_CHECK(x.size(1) % head_dim == 0, "rotary_interleaved: width is not a multiple of head_dim");
   const int64_t tokens = x.size(0), width = x.size(1);
   const int64_t heads = width / head_dim, max_pos = cis.size(0);
   at::Tensor out = at::empty({tokens, width}, x.options());
-  const at::Tensor pos = positions.contiguous();
+  const at::Tensor pos = checked_positions("rotary_interleaved", positions, tokens, max_pos);
   const int64_t* pp = pos.data_ptr<int64_t>();
-  for (int64_t t = 0; t < tokens; ++t) {
-    TORCH_CHECK(pp[t] >= 0 && pp[t] < max_pos, "rotary_interleaved: position ", pp[t], " outside 0..", max_pos - 1);
-  }
   if (x.scalar_type() == at::kBFloat16) {
     rotary_dispatch<bf16>(x, pp, cis, out, heads, head_dim);
   } else {
@@ -199,16 +208,10 @@ at::Tensor rotary_neox(const at::Tensor& x, const at::Tensor& positions, const a
   TORCH_CHECK(cos.dim() == 2 && cos.size(1) * 2 == rotary_dim && cos.is_contiguous() &&
                   sin.sizes() == cos.sizes() && sin.is_contiguous(),
               "rotary_neox: cos and sin must be [max_positions, rotary_dim / 2], contiguous");
-  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == x.size(0),
-              "rotary_neox: positions must be int64, one per token");
   const int64_t tokens = x.size(0), width = x.size(1), max_pos = cos.size(0);
   at::Tensor out = at::empty({tokens, width}, x.options());
-  const at::Tensor pos = positions.contiguous();
+  const at::Tensor pos = checked_positions("rotary_neox", positions, tokens, max_pos);
   const int64_t* pp = pos.data_ptr<int64_t>();
-  for (int64_t t = 0; t < tokens; ++t) {
-    TORCH_CHECK(pp[t] >= 0 && pp[t] < max_pos, "rotary_neox: position ", pp[t], " outside 0..",
-                max_pos - 1);
-  }
   const int64_t heads = width / head_dim;
   if (x.scalar_type() == at::kBFloat16) {
     rotary_neox_dispatch<bf16>(x, pp, cos, sin, out, heads, head_dim, rotary_dim);
