@@ -39,6 +39,10 @@ def _kernels(weights: list[torch.Tensor]) -> dict[str, tuple]:
     if bf16 and cpu_kernels.has_bf16_gemm():
         ours = [cpu_kernels.linear_bf16_pack(w) for w in weights]
         kernels["llmserve linear_bf16"] = (lambda x, w: cpu_kernels.linear_bf16(x, w, n), ours)
+        kernels["llmserve widened"] = (  # fp32 FMAs: the order PackedLinear uses on Intel
+            lambda x, w: cpu_kernels.linear_bf16(x, w, n, widen=True),  # without AMX
+            ours,
+        )
     elif not bf16 and cpu_kernels.available():
         ours = [cpu_kernels.linear_f32_pack(w) for w in weights]
         kernels["llmserve linear_f32"] = (lambda x, w: cpu_kernels.linear_f32(x, w, n), ours)

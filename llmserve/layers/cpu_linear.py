@@ -48,6 +48,15 @@ weight packed once skips that. Two kernels:
   481 / 249 / 7678 against 199 / 130 / 534 / 295 / 8141; M = 256 and 2048 even or ahead by
   1-9%. In the engine (random 256/128 x 64 offline, bf16) 814-839 tok/s against 710-731.
   Intel's AMX hosts keep oneDNN (ours ran 2.7x slower there: no AMX tiles in it).
+- bf16 on Intel CPUs with AVX512_BF16 but no AMX (``kernels.cpu.widens_bf16``): every call
+  takes ``linear_bf16`` too, widened (fp32 FMAs on the bf16 values, the same packed copy)
+  from more than ``WIDEN_ROWS`` rows. On one such VM (family 6 model 207, AMX hidden) every
+  vdpbf16ps kernel, oneDNN's included, ran at 180-200 GFLOP/s from 64 rows up, under the
+  fp32 FMAs' 356. ``fp32_linear --dtype bfloat16`` there (30 weight copies, 2-3 rounds), us per
+  call, q|k|v / o / gate|up / down / LM head, vdpbf16ps -> widened (oneDNN): M = 1 29 / 17 /
+  71 / 42 / 2436 -> 33 / 20 / 77 / 46 / 2461 (43 / 32 / 114 / 56 / 2489); M = 4 even; M = 8
+  50 / 33 / 173 / 77 / 2696 -> 41 / 29 / 124 / 65 / 2487; M = 64 374 / 219 / 1248 / 636 /
+  18652 -> 262 / 160 / 947 / 445 / 13303 (446 / 237 / 1318 / 674 / 20173); M = 2048 1.35-1.4x.
 
 Applied to a plain model after its weights are loaded, like a quantization pass.
 """
@@ -71,6 +80,7 @@ GEMV_ROWS = 2  # gemm_impl.h's kGemvRows: rows that llmserve's GEMM reads the we
 FP32_DECODE_ROWS = 128  # most rows a layer hands llmserve's fp32 GEMM on Zen 4 (see above)
 BF16_DECODE_ROWS = 128  # most rows a layer hands llmserve's bf16 GEMM (Zen 4: see above)
 BF16_WIDE_ROWS = 6  # the same for layers wider than MAX_OWN_GEMM_FEATURES (the LM head)
+WIDEN_ROWS = 4  # where widens_bf16: up to this many rows by vdpbf16ps, more widened
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -115,8 +125,11 @@ def whole_panel_rows() -> int:
 
 def own_bf16_gemm_is_faster(in_features: int) -> bool:
     """Whether llmserve's bf16 GEMM beats oneDNN at every row count here, so that a bf16
-    layer keeps only the copy packed for ours: on AMD Zen 5 (see the module docstring)."""
-    return in_features % 2 == 0 and is_amd_zen5() and cpu_kernels.has_bf16_gemm()
+    layer keeps only the copy packed for ours: on AMD Zen 5, and where it multiplies by fp32
+    FMAs (``widens_bf16``; see the module docstring)."""
+    if in_features % 2 or not cpu_kernels.has_bf16_gemm():
+        return False
+    return is_amd_zen5() or cpu_kernels.widens_bf16()
 
 
 def own_bf16_gemm_rows(out_features: int, in_features: int) -> int:
@@ -141,6 +154,8 @@ class PackedLinear(Module):
         fp32, bf16 = weight.dtype == torch.float32, weight.dtype == torch.bfloat16
         self.own_gemm = fp32 and own_gemm_is_faster(self.out_features)
         self.own_bf16_gemm = bf16 and own_bf16_gemm_is_faster(self.in_features)
+        # more rows than WIDEN_ROWS: fp32 FMAs on widened values (where widens_bf16)
+        self.widen_rows = WIDEN_ROWS if self.own_bf16_gemm and cpu_kernels.widens_bf16() else -1
         self.panel_rows = whole_panel_rows() if self.own_gemm else 0
         if self.own_gemm:
             self.packed_weight = cpu_kernels.linear_f32_pack(weight)
@@ -166,7 +181,10 @@ class PackedLinear(Module):
                 x, self.packed_weight, self.out_features, self.bias, whole_panels=whole
             )
         if self.own_bf16_gemm:  # a bf16 model's activations are bf16
-            return cpu_kernels.linear_bf16(x, self.packed_weight, self.out_features, self.bias)
+            widen = self.widen_rows >= 0 and x.numel() > self.widen_rows * self.in_features
+            return cpu_kernels.linear_bf16(
+                x, self.packed_weight, self.out_features, self.bias, widen
+            )
         if self.f32_weight is not None and x.numel() <= self.f32_rows * self.in_features:
             return cpu_kernels.linear_f32(
                 x, self.f32_weight, self.out_features, self.bias, whole_panels=True
@@ -183,6 +201,8 @@ class PackedLinear(Module):
         kernel = "llmserve fp32 GEMM" if self.own_gemm else "oneDNN"
         if self.own_bf16_gemm:
             kernel = "llmserve bf16 GEMM"
+            if self.widen_rows >= 0:
+                kernel += f" (fp32 FMAs from {self.widen_rows + 1} rows)"
         if self.f32_weight is not None:
             kernel += f" (llmserve's for up to {self.f32_rows} rows)"
         if self.bf16_weight is not None:

@@ -17,7 +17,8 @@
     gemm.cpp              linear_f32_pack, linear_f32: the fp32 linear on a weight packed at
                           load, streamed front to back (body: gemm_impl.h)
     gemm_bf16.cpp         linear_bf16_pack, linear_bf16: the same for bf16 with vdpbf16ps
-                          (AVX512_BF16 only: ``has_bf16_gemm``), for decode steps' rows
+                          or fp32 FMAs on widened values (``widen``), AVX512_BF16 only
+                          (``has_bf16_gemm``)
     threads.cpp           bind_threads: the calling thread and torch's OpenMP workers pinned
                           one per CPU (llmserve/runner/cpu_threads.py decides which)
 
@@ -26,7 +27,8 @@ fp32, rounded once when stored) and are threaded with torch's intra-op pool; the
 attention hand out their work in chunks that threads take as they come free (parallel.h), so
 a thread the OS preempts does not hold the others at the barrier. The library is built for
 the baseline x86-64 target; every body is compiled for AVX-512, AVX2 and plain C++
-(isa.h, vec.h) and the path is chosen at run time: the best this CPU runs, or the one named by
+(isa.h, vec.h) and the path is chosen at run time: the best this CPU runs (``avx512`` rather
+than ``avx512_bf16`` where ``widens_bf16``), or the one named by
 ``LLMSERVE_CPU_ISA`` (``avx512_bf16``, ``avx512``, ``avx2``, ``scalar``) or ``set_isa`` (tests
 force each one); ``avx512_bf16`` is the AVX-512 code plus vdpbf16ps for bf16 attention scores.
 ``avx2_w16`` is for tests only, never chosen on its own: the AVX-512 code's 16-lane shape (its
@@ -113,6 +115,14 @@ def amd_family() -> int:
     """This CPU's family as the kernels read it from cpuid, where the vendor is AMD (25: Zen
     3 and 4, 26: Zen 5); 0 elsewhere. Some kernels choose how they prefetch by it."""
     return _direct().amd_family()
+
+
+def widens_bf16() -> bool:
+    """Whether bf16 products run faster here as fp32 FMAs on widened values than by
+    vdpbf16ps (isa.h: Intel CPUs with AVX512_BF16 and no AMX): ``auto`` then takes the
+    ``avx512`` path over ``avx512_bf16``, and ``PackedLinear`` calls ``linear_bf16`` with
+    ``widen`` for its bf16 layers."""
+    return _direct().widens_bf16()
 
 
 def supported_isas() -> list[str]:
@@ -334,11 +344,17 @@ def linear_bf16_pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def linear_bf16(
-    x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    out_features: int,
+    bias: torch.Tensor | None = None,
+    widen: bool = False,
 ) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` for bfloat16 ``x`` [..., in_features] and a packed weight:
-    fp32 sums, rounded to bf16 once (AVX512_BF16 only)."""
-    return _direct().linear_bf16(x, packed, out_features, bias)
+    fp32 sums, rounded to bf16 once (AVX512_BF16 only). ``widen``: the products by fp32 FMAs
+    on the values widened in registers instead of by vdpbf16ps (for CPUs where that runs
+    slower; the sums in order over k, as the fp32 GEMM's)."""
+    return _direct().linear_bf16(x, packed, out_features, bias, widen)
 
 
 def bind_threads(cpus: list[int]) -> int:

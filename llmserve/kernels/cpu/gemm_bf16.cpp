@@ -1,8 +1,16 @@
 // The bf16 linear for decode steps on CPUs with AVX512_BF16: y = x w^T (+ bias), x and w
 // bf16, fp32 sums (vdpbf16ps), y rounded to bf16 once.
 //
-//   linear_bf16_pack(w [N, K])               -> packed [ceil(N / 48)][K / 2][48][2] bf16
-//   linear_bf16(x [M, K], packed, N, bias?)  -> y [M, N]
+//   linear_bf16_pack(w [N, K])  -> packed [ceil(N / 48)][K / 2][48][2] bf16
+//   linear_bf16(x [M, K], packed, N, bias?, widen)  -> y [M, N]
+//
+// ``widen``: the same product in fp32 FMAs instead of vdpbf16ps, x widened to fp32 once per
+// call and each 32-bit pair of the packed weight split in registers (the even k's bf16 is the
+// pair shifted left by 16, the odd k's the pair with its low half masked off). For CPUs whose
+// vdpbf16ps runs slower than their fp32 FMAs: an Intel Xeon VM with AVX512_BF16 and no AMX
+// (family 6 model 207, 2 threads, the default model's shapes, 30 weight copies) ran
+// vdpbf16ps, ours and oneDNN's alike, at 180-200 GFLOP/s from 64 rows up against 356 for
+// fp32 FMAs. Its sums are the fp32 GEMM's: in order over k, each product exact.
 //
 // Why our own: at a decode step's rows (M = one per running sequence) oneDNN's bf16 kernel
 // leaves a two-core AMD Zen 4 idle. Timed per layer inside the engine (SmolLM2 bf16, batch
@@ -85,13 +93,57 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline void tile
   }
 }
 
-template <int R = kTileRows>
-inline void tile_of(int rows, const uint32_t* x, int64_t ldx, const uint16_t* w, int64_t kc,
+// x's pair k of a row widened to fp32 (the ``widen`` path's x)
+struct F32Pair {
+  float even, odd;
+};
+
+// The same tile in fp32 FMAs: x as widened pairs, each loaded weight vector (16 columns x one
+// k pair) split into its even and odd k's fp32 values.
+template <int R>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline void tile(
+    const F32Pair* x, int64_t ldx, const uint16_t* w, int64_t kc, const float* bias,
+    uint16_t* y, int64_t ldy, const char* ahead, int64_t ahead_pairs) {
+  __m512 acc[R][3];
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < 3; ++v) acc[r][v] = _mm512_setzero_ps();
+  }
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t k = 0; k < kc; ++k) {
+    if (k < ahead_pairs) {  // 192 bytes: three lines
+      _mm_prefetch(ahead + k * kPairBytes, _MM_HINT_T0);
+      _mm_prefetch(ahead + k * kPairBytes + 64, _MM_HINT_T0);
+      _mm_prefetch(ahead + k * kPairBytes + 128, _MM_HINT_T0);
+    }
+    for (int v = 0; v < 3; ++v) {
+      const __m512i pairs = _mm512_loadu_si512(w + k * 2 * kPanel + v * 32);
+      const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+      const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(pairs, high));
+      for (int r = 0; r < R; ++r) {
+        const F32Pair a = x[r * ldx + k];
+        acc[r][v] = _mm512_fmadd_ps(_mm512_set1_ps(a.even), even, acc[r][v]);
+        acc[r][v] = _mm512_fmadd_ps(_mm512_set1_ps(a.odd), odd, acc[r][v]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < 3; ++v) {
+      __m512 out = acc[r][v];
+      if (bias != nullptr) out = _mm512_add_ps(out, _mm512_loadu_ps(bias + v * 16));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy + v * 16),
+                          (__m256i)_mm512_cvtneps_pbh(out));
+    }
+  }
+}
+
+// X: uint32_t (x's bf16 pairs, vdpbf16ps) or F32Pair (widened, fp32 FMAs)
+template <typename X, int R = kTileRows>
+inline void tile_of(int rows, const X* x, int64_t ldx, const uint16_t* w, int64_t kc,
                     const float* bias, uint16_t* y, int64_t ldy, const char* ahead,
                     int64_t ahead_pairs) {
   if constexpr (R >= 1) {
     if (rows == R) return tile<R>(x, ldx, w, kc, bias, y, ldy, ahead, ahead_pairs);
-    tile_of<R - 1>(rows, x, ldx, w, kc, bias, y, ldy, ahead, ahead_pairs);
+    tile_of<X, R - 1>(rows, x, ldx, w, kc, bias, y, ldy, ahead, ahead_pairs);
   }
 }
 
@@ -100,7 +152,8 @@ inline void tile_of(int rows, const uint32_t* x, int64_t ldx, const uint16_t* w,
 // next, after its last the first of the thread's next chunk (next_pb; -1: none), as
 // gemm_impl.h's gemm_panels_whole (Zen 5, 30 weight copies, alternated per call: M = 64
 // 16.15 -> 15.89 ms for the four layer shapes' 120 calls, 1-128 even or ahead by 1-2%).
-void linear_rows(const uint32_t* x, int64_t K2, const uint16_t* packed, const float* bias,
+template <typename X>
+void linear_rows(const X* x, int64_t K2, const uint16_t* packed, const float* bias,
                  uint16_t* y, int64_t ldy, int64_t m0, int64_t m1, int64_t pb, int64_t pe,
                  int64_t next_pb) {
   const int64_t tiles = (m1 - m0 + kTileRows - 1) / kTileRows;
@@ -135,7 +188,7 @@ at::Tensor linear_bf16_pack(const at::Tensor& w) {
 }
 
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n,
-                       const c10::optional<at::Tensor>& bias) {
+                       const c10::optional<at::Tensor>& bias, bool widen) {
   TORCH_CHECK(llmserve::cpu_supports(llmserve::Isa::kAvx512Bf16),
               "linear_bf16: this CPU has no AVX512_BF16");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.device().is_cpu() && x.dim() >= 1,
@@ -152,16 +205,23 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n,
   at::Tensor y = at::empty({M, padded_n}, xc.options());
 #ifdef LLMSERVE_X86
   if (M > 0) {
-    const auto* xp = reinterpret_cast<const uint32_t*>(xc.data_ptr());
     const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
     auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
     const float* b = padded_bias.defined() ? padded_bias.data_ptr<float>() : nullptr;
     const int64_t grain = ::llmserve::grain_for(np, kChunksPerThread);
-    for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
-      const int64_t m1 = std::min(M, m0 + kRowBlock);
-      ::llmserve::parallel_take_ahead(np, grain, [&](int64_t pb, int64_t pe, int64_t next) {
-        linear_rows(xp, K / 2, wp, b, yp, padded_n, m0, m1, pb, pe, next);
-      });
+    const at::Tensor xw = widen ? xc.to(at::kFloat) : xc;  // widened once for every panel
+    auto run = [&](const auto* xp) {
+      for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
+        const int64_t m1 = std::min(M, m0 + kRowBlock);
+        ::llmserve::parallel_take_ahead(np, grain, [&](int64_t pb, int64_t pe, int64_t next) {
+          linear_rows(xp, K / 2, wp, b, yp, padded_n, m0, m1, pb, pe, next);
+        });
+      }
+    };
+    if (widen) {
+      run(reinterpret_cast<const F32Pair*>(xw.data_ptr()));
+    } else {
+      run(reinterpret_cast<const uint32_t*>(xw.data_ptr()));
     }
   }
 #endif
@@ -178,7 +238,8 @@ void llmserve_bind_gemm_bf16(pybind11::module_& m) {
 
 TORCH_LIBRARY_FRAGMENT(llmserve_cpu, m) {
   m.def("linear_bf16_pack(Tensor w) -> Tensor");
-  m.def("linear_bf16(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
+  m.def(
+      "linear_bf16(Tensor x, Tensor packed, int n, Tensor? bias, bool widen=False) -> Tensor");
   m.impl("linear_bf16_pack", c10::DispatchKey::CPU, &linear_bf16_pack);
   m.impl("linear_bf16", c10::DispatchKey::CPU, &linear_bf16);
 }

@@ -65,8 +65,31 @@ inline unsigned amd_family() {
 #endif
 }
 
+// Whether bf16 products run faster as fp32 FMAs on values widened in registers than by
+// vdpbf16ps here: Intel CPUs with AVX512_BF16 and no AMX-BF16 (cpuid 7.0 EDX bit 22).
+// Measured on one (family 6 model 207, AMX hidden by its VM, 2 threads): vdpbf16ps ran the
+// bf16 GEMM at 180-200 GFLOP/s from 64 rows up, widened 240-285, fp32 FMAs peak at 356;
+// prompt attention (8 x 256, the default model's heads) 4.3-4.7 ms with vdpbf16ps, 3.7-3.9
+// widened. best_isa then takes the AVX-512 code without vdpbf16ps, and PackedLinear the bf16
+// GEMM's widened path (gemm_bf16.cpp). Intel's other CPUs without AMX but with AVX512_BF16
+// (Cooper Lake) follow the same rule unmeasured.
+inline bool widens_bf16() {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  static const bool widen = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    __builtin_cpu_init();
+    if (__builtin_cpu_is("intel") == 0 || !cpu_supports(Isa::kAvx512Bf16)) return false;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    return ((d >> 22) & 1u) == 0;  // no AMX-BF16
+  }();
+  return widen;
+#else
+  return false;
+#endif
+}
+
 inline Isa best_isa() {
-  if (cpu_supports(Isa::kAvx512Bf16)) return Isa::kAvx512Bf16;
+  if (cpu_supports(Isa::kAvx512Bf16) && !widens_bf16()) return Isa::kAvx512Bf16;
   if (cpu_supports(Isa::kAvx512)) return Isa::kAvx512;
   if (cpu_supports(Isa::kAvx2)) return Isa::kAvx2;
   return Isa::kScalar;

@@ -375,6 +375,7 @@ void llmserve_bind_paged_attention(pybind11::module_& m) {
   m.def("decode_attention", &decode_attention, ReleaseGil());
   m.def("paged_attention", &paged_attention, ReleaseGil());
   m.def("amd_family", &llmserve::amd_family);
+  m.def("widens_bf16", &llmserve::widens_bf16);
 }
 
 TORCH_LIBRARY(llmserve_cpu, m) {
