@@ -26,9 +26,11 @@ def _run(llm: LLM) -> list:
     return [o.outputs[0] for o in outputs]
 
 
-# The logits are bf16: at the default model's magnitudes (16-32) one bf16 step is 0.125, and
-# the two backends may round a logit one step apart each way (seen on a CI host: 0.20).
-_LOGPROB_TOL = 0.3
+# The logits are bf16: at the default model's top magnitudes (16-64) one bf16 step is 0.125
+# or 0.25, and the two backends may round each of two logits one step apart each way: up to
+# 0.5 between their log-probabilities (seen: 0.20 on a CI host; 0.32 on an Intel host
+# without AMX, whose first-token log-probabilities all stood on a 0.25 grid, logits past 32).
+_LOGPROB_TOL = 0.55
 
 
 def _assert_agree(got: list, expected: list) -> float:
