@@ -57,6 +57,28 @@ constexpr int64_t kPairBytes = kPanel * 4;  // one k pair of a panel: 48 x 2 bf1
 int64_t num_panels(int64_t n) { return (n + kPanel - 1) / kPanel; }
 
 #ifdef LLMSERVE_X86
+// one k pair of the next panel asked for: 192 bytes, three lines
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"), always_inline)) inline void
+fetch_pair(const char* p) {
+  _mm_prefetch(p, _MM_HINT_T0);
+  _mm_prefetch(p + 64, _MM_HINT_T0);
+  _mm_prefetch(p + 128, _MM_HINT_T0);
+}
+
+// a tile's sums (+ bias) rounded to bf16 once and stored: R rows x 48 columns
+template <int R>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"), always_inline)) inline void
+store_tile(__m512 (&acc)[R][3], const float* bias, uint16_t* y, int64_t ldy) {
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < 3; ++v) {
+      __m512 out = acc[r][v];
+      if (bias != nullptr) out = _mm512_add_ps(out, _mm512_loadu_ps(bias + v * 16));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy + v * 16),
+                          (__m256i)_mm512_cvtneps_pbh(out));
+    }
+  }
+}
+
 // y[r, 48 columns] = bf16(x[r, pairs] . w[pairs, 48 columns] + bias) for R rows, kc pairs.
 // ``ahead``/``ahead_pairs``: this tile's share of the next panel to fetch.
 template <int R>
@@ -68,11 +90,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline void tile
     for (int v = 0; v < 3; ++v) acc[r][v] = _mm512_setzero_ps();
   }
   for (int64_t k = 0; k < kc; ++k) {
-    if (k < ahead_pairs) {  // 192 bytes: three lines
-      _mm_prefetch(ahead + k * kPairBytes, _MM_HINT_T0);
-      _mm_prefetch(ahead + k * kPairBytes + 64, _MM_HINT_T0);
-      _mm_prefetch(ahead + k * kPairBytes + 128, _MM_HINT_T0);
-    }
+    if (k < ahead_pairs) fetch_pair(ahead + k * kPairBytes);
     const __m512bh b0 = (__m512bh)_mm512_loadu_si512(w + k * 2 * kPanel);
     const __m512bh b1 = (__m512bh)_mm512_loadu_si512(w + k * 2 * kPanel + 32);
     const __m512bh b2 = (__m512bh)_mm512_loadu_si512(w + k * 2 * kPanel + 64);
@@ -83,14 +101,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline void tile
       acc[r][2] = _mm512_dpbf16_ps(acc[r][2], a, b2);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    for (int v = 0; v < 3; ++v) {
-      __m512 out = acc[r][v];
-      if (bias != nullptr) out = _mm512_add_ps(out, _mm512_loadu_ps(bias + v * 16));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy + v * 16),
-                          (__m256i)_mm512_cvtneps_pbh(out));
-    }
-  }
+  store_tile<R>(acc, bias, y, ldy);
 }
 
 // x's pair k of a row widened to fp32 (the ``widen`` path's x)
@@ -110,11 +121,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline void tile
   }
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int64_t k = 0; k < kc; ++k) {
-    if (k < ahead_pairs) {  // 192 bytes: three lines
-      _mm_prefetch(ahead + k * kPairBytes, _MM_HINT_T0);
-      _mm_prefetch(ahead + k * kPairBytes + 64, _MM_HINT_T0);
-      _mm_prefetch(ahead + k * kPairBytes + 128, _MM_HINT_T0);
-    }
+    if (k < ahead_pairs) fetch_pair(ahead + k * kPairBytes);
     for (int v = 0; v < 3; ++v) {
       const __m512i pairs = _mm512_loadu_si512(w + k * 2 * kPanel + v * 32);
       const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
@@ -126,14 +133,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline void tile
       }
     }
   }
-  for (int r = 0; r < R; ++r) {
-    for (int v = 0; v < 3; ++v) {
-      __m512 out = acc[r][v];
-      if (bias != nullptr) out = _mm512_add_ps(out, _mm512_loadu_ps(bias + v * 16));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy + v * 16),
-                          (__m256i)_mm512_cvtneps_pbh(out));
-    }
-  }
+  store_tile<R>(acc, bias, y, ldy);
 }
 
 // X: uint32_t (x's bf16 pairs, vdpbf16ps) or F32Pair (widened, fp32 FMAs)
