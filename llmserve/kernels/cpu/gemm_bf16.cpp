@@ -1,5 +1,7 @@
-// The bf16 linear for decode steps on CPUs with AVX512_BF16: y = x w^T (+ bias), x and w
-// bf16, fp32 sums (vdpbf16ps), y rounded to bf16 once.
+// The bf16 linear on CPUs with AVX512_BF16: y = x w^T (+ bias), x and w bf16, fp32 sums
+// (vdpbf16ps, or fp32 FMAs with ``widen``), y rounded to bf16 once. PackedLinear
+// (layers/cpu_linear.py) hands it decode-sized calls on AMD Zen 4, every call on Zen 5 and on
+// Intel CPUs without AMX (widened there from more than 4 rows).
 //
 //   linear_bf16_pack(w [N, K])  -> packed [ceil(N / 48)][K / 2][48][2] bf16
 //   linear_bf16(x [M, K], packed, N, bias?, widen)  -> y [M, N]
