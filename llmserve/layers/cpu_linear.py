@@ -30,6 +30,15 @@ weight packed once skips that. Two kernels:
   128 301 / 182 / 940 / 501 against 315 / 209 / 1037 / 512 (``fp32_linear``, 30 copies); in
   the engine, text2sql 64 x 64 fp32 525-528 tok/s against 495-512, random 256/128 432-446
   against 424-426 (two alternated rounds). Prompt-sized calls stay slice by slice.
+- fp32 on Intel with AVX-512 (``onednn_takes_fp32_prompts``, as on Zen 4): oneDNN keeps each
+  layer's main copy for prompt-sized calls, ours a second copy (whole panels) for up to
+  ``FP32_INTEL_ROWS``; the LM head oneDNN only. On an Emerald Rapids class VM (family 6 model
+  207, no AMX), 2 threads, the weight in cache, fastest of many calls, M = 2048: oneDNN 372-396
+  GFLOP/s on the four layer shapes against ours 348-369 (256-row blocks slice by slice); M =
+  256: ours 388-407 panel by panel against 385-412. In the engine (random 256/128 x 64 offline,
+  fp32, alternated, three rounds) 231 / 252 / 243 -> 261 / 278 / 256 tok/s with oneDNN above
+  256 rows; decode sizes panel by panel or slice by slice even (242 / 270 / 265 against 242 /
+  275 / 254). The default model's second copy: 405 MiB.
 - otherwise oneDNN's blocked layout (1.3-2x ``F.linear``); bf16 weights are packed only where
   oneDNN runs bf16 natively (AVX512_BF16 or AMX; fp32 accumulation inside).
 - bf16 on AMD Zen 4: decode-sized calls take ``kernels.cpu.linear_bf16`` (gemm_bf16.cpp,
@@ -68,7 +77,7 @@ import logging
 import torch
 from torch import nn
 
-from llmserve.cpuinfo import is_amd_zen4, is_amd_zen5
+from llmserve.cpuinfo import is_amd_zen4, is_amd_zen5, is_intel
 from llmserve.kernels import cpu as cpu_kernels
 from llmserve.layers.module import Module
 from llmserve.memory import HugePageArena, movable, release_freed_memory
@@ -78,6 +87,7 @@ logger = logging.getLogger(__name__)
 MAX_OWN_GEMM_FEATURES = 16384  # wider layers (the LM head) keep oneDNN, but on AVX2
 GEMV_ROWS = 2  # gemm_impl.h's kGemvRows: rows that llmserve's GEMM reads the weight once for
 FP32_DECODE_ROWS = 128  # most rows a layer hands llmserve's fp32 GEMM on Zen 4 (see above)
+FP32_INTEL_ROWS = 256  # the same on Intel with AVX-512 (gemm.cpp's kRowBlock; see above)
 BF16_DECODE_ROWS = 128  # most rows a layer hands llmserve's bf16 GEMM (Zen 4: see above)
 BF16_WIDE_ROWS = 6  # the same for layers wider than MAX_OWN_GEMM_FEATURES (the LM head)
 WIDEN_ROWS = 4  # where widens_bf16: up to this many rows by vdpbf16ps, more widened
@@ -99,21 +109,31 @@ def has_native_bf16() -> bool:
     )
 
 
+def onednn_takes_fp32_prompts() -> bool:
+    """Whether oneDNN is the faster fp32 GEMM at prompt sizes here, so that it keeps every
+    layer's main copy and llmserve's takes decode-sized calls from a second one: on AMD Zen 4
+    and on Intel with AVX-512 (see the module docstring)."""
+    return is_amd_zen4() or (is_intel() and cpu_kernels.current_isa().startswith("avx512"))
+
+
 def own_gemm_is_faster(out_features: int) -> bool:
     """Whether llmserve's fp32 GEMM, where it builds, beats oneDNN on a layer this wide here
-    (measured per host type: see the module docstring)."""
-    if not cpu_kernels.available() or is_amd_zen4():
+    at every row count (measured per host type: see the module docstring)."""
+    if not cpu_kernels.available() or onednn_takes_fp32_prompts():
         return False
     return out_features <= MAX_OWN_GEMM_FEATURES or cpu_kernels.current_isa() == "avx2"
 
 
 def own_fp32_decode_rows(out_features: int) -> int:
     """Up to how many rows an fp32 layer of this width takes llmserve's GEMM where oneDNN
-    takes the rest (``own_gemm_is_faster`` is False), from a second copy packed for ours (0:
-    never): on Zen 4, one or two for the LM head's width, ``FP32_DECODE_ROWS`` below it."""
-    if not cpu_kernels.available() or not is_amd_zen4():
+    takes the rest (``onednn_takes_fp32_prompts``), from a second copy packed for ours (0:
+    never): on Zen 4 ``FP32_DECODE_ROWS`` below the LM head's width and one or two at it; on
+    Intel ``FP32_INTEL_ROWS`` below it, none at it."""
+    if not cpu_kernels.available() or not onednn_takes_fp32_prompts():
         return 0
-    return FP32_DECODE_ROWS if out_features <= MAX_OWN_GEMM_FEATURES else GEMV_ROWS
+    if out_features > MAX_OWN_GEMM_FEATURES:
+        return GEMV_ROWS if is_amd_zen4() else 0
+    return FP32_DECODE_ROWS if is_amd_zen4() else FP32_INTEL_ROWS
 
 
 def whole_panel_rows() -> int:

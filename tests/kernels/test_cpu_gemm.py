@@ -24,6 +24,7 @@ from llmserve.kernels import cpu as cpu_kernels
 from llmserve.layers import cpu_linear
 from llmserve.layers.cpu_linear import (
     FP32_DECODE_ROWS,
+    FP32_INTEL_ROWS,
     MAX_OWN_GEMM_FEATURES,
     PackedLinear,
     pack_linear_layers,
@@ -123,29 +124,39 @@ def test_linear_f32_refuses_a_mismatched_weight():
         cpu_kernels.linear_f32_pack(torch.randn(10, 16, dtype=torch.bfloat16))
 
 
-@pytest.mark.parametrize("zen4", [False, True])
+def pretend_host(monkeypatch, host: str) -> None:
+    """cpu_linear's view of the CPU: ``zen4``, ``intel`` or ``other`` (Zen 5 and Zen 3 alike)."""
+    monkeypatch.setattr(cpu_linear, "is_amd_zen4", lambda: host == "zen4")
+    monkeypatch.setattr(cpu_linear, "is_intel", lambda: host == "intel")
+
+
+@pytest.mark.parametrize("host", ["other", "zen4", "intel"])
 @pytest.mark.parametrize("isa", ["avx512", "avx2"])
-def test_packed_linear_uses_own_gemm_for_fp32_and_the_lm_head_kernel_of_the_isa(
-    isa, zen4, monkeypatch
+def test_packed_linear_takes_the_fp32_gemm_measured_faster_per_host_and_size(
+    isa, host, monkeypatch
 ):
     """Layers take llmserve's GEMM; the LM head's width takes oneDNN with AVX-512, ours with
-    AVX2 (measured faster on each); on AMD Zen 4 oneDNN takes every layer but decode-sized
-    calls: up to FP32_DECODE_ROWS rows below the LM head's width, one or two at it."""
+    AVX2 (measured faster on each). On AMD Zen 4, and on Intel with AVX-512, oneDNN takes
+    every layer but decode-sized calls, which read a second copy packed for ours: on Zen 4 up
+    to FP32_DECODE_ROWS rows below the LM head's width and one or two at it, on Intel up to
+    FP32_INTEL_ROWS below it and none at it."""
     if isa not in cpu_kernels.supported_isas():
         pytest.skip(f"this CPU does not run {isa}")
-    monkeypatch.setattr(cpu_linear, "is_amd_zen4", lambda: zen4)
+    pretend_host(monkeypatch, host)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 96), nn.Linear(96, MAX_OWN_GEMM_FEATURES + 1, bias=False))
-    x = torch.randn(FP32_DECODE_ROWS + 1, 64)
+    x = torch.randn(FP32_INTEL_ROWS + 1, 64)
     want = model(x)  # unpacked
     with cpu_kernels.forced_isa(isa):
+        split = host == "zen4" or (host == "intel" and isa == "avx512")  # oneDNN's prompts
+        rows_of_ours = {"zen4": (FP32_DECODE_ROWS, 2), "intel": (FP32_INTEL_ROWS, 0)}
         assert pack_linear_layers(model) == 2
         first, head = model[0], model[1]
-        assert isinstance(first, PackedLinear) and first.own_gemm == (not zen4)
-        assert isinstance(head, PackedLinear) and head.own_gemm == (isa == "avx2" and not zen4)
-        for layer in (first, head):  # Zen 4: decode-sized calls from a copy packed for ours
-            assert (layer.f32_weight is not None) == zen4
-        assert (first.f32_rows, head.f32_rows) == ((FP32_DECODE_ROWS, 2) if zen4 else (0, 0))
+        assert isinstance(first, PackedLinear) and first.own_gemm == (not split)
+        assert isinstance(head, PackedLinear) and head.own_gemm == (isa == "avx2" and not split)
+        ours = rows_of_ours[host] if split else (0, 0)
+        assert (first.f32_rows, head.f32_rows) == ours
+        assert [layer.f32_weight is not None for layer in (first, head)] == [r > 0 for r in ours]
         real_linear_f32, weights_used = cpu_kernels.linear_f32, []
 
         def spy(x, packed, *args, **kwargs):  # the real kernel, noting which weight it read
@@ -153,12 +164,15 @@ def test_packed_linear_uses_own_gemm_for_fp32_and_the_lm_head_kernel_of_the_isa(
             return real_linear_f32(x, packed, *args, **kwargs)
 
         monkeypatch.setattr(cpu_kernels, "linear_f32", spy)
-        for rows in (1, 2, 3, FP32_DECODE_ROWS, FP32_DECODE_ROWS + 1):
+        for rows in (1, 2, 3, FP32_DECODE_ROWS, FP32_DECODE_ROWS + 1, FP32_INTEL_ROWS + 1):
             weights_used.clear()
             torch.testing.assert_close(model(x[:rows]), want[:rows], rtol=1e-4, atol=1e-4)
-            if zen4:  # the head: ours for 1-2 rows; the first layer: up to FP32_DECODE_ROWS
-                expected = [first.f32_weight] if rows <= FP32_DECODE_ROWS else []
-                expected += [head.f32_weight] if rows <= 2 else []
+            if split:  # each layer: its copy for ours up to its rows, oneDNN's beyond
+                expected = [
+                    layer.f32_weight
+                    for layer, most in zip((first, head), ours, strict=True)
+                    if rows <= most
+                ]
                 assert [id(w) for w in weights_used] == [id(w) for w in expected]
 
 
@@ -167,7 +181,7 @@ def test_zen5_takes_decode_sized_calls_panel_by_panel(zen5, monkeypatch):
     """Where llmserve's fp32 GEMM is a layer's only kernel, AMD Zen 5 runs calls of up to
     FP32_DECODE_ROWS rows panel by panel (whole_panels) and larger ones slice by slice; other
     hosts slice by slice throughout. Either order computes the same product."""
-    monkeypatch.setattr(cpu_linear, "is_amd_zen4", lambda: False)
+    pretend_host(monkeypatch, "other")
     monkeypatch.setattr(cpu_linear, "is_amd_zen5", lambda: zen5)
     torch.manual_seed(0)
     layer = nn.Linear(64, 96)
@@ -189,13 +203,13 @@ def test_zen5_takes_decode_sized_calls_panel_by_panel(zen5, monkeypatch):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise is Linux's")
-@pytest.mark.parametrize("zen4", [False, True])
-def test_copies_for_our_gemm_sit_in_huge_pages(zen4, monkeypatch):
-    """After packing, every weight copy llmserve's GEMM reads (a plain tensor: Zen 4's decode
-    copies, elsewhere the layers' only copies) lies in one mapping marked MADV_HUGEPAGE,
-    one after the other on pages of their own, resident, and the layers compute what they
-    computed before the move."""
-    monkeypatch.setattr(cpu_linear, "is_amd_zen4", lambda: zen4)
+@pytest.mark.parametrize("host", ["other", "zen4", "intel"])
+def test_copies_for_our_gemm_sit_in_huge_pages(host, monkeypatch):
+    """After packing, every weight copy llmserve's GEMM reads (a plain tensor: the decode
+    copies of Zen 4 and Intel, elsewhere the layers' only copies) lies in one mapping marked
+    MADV_HUGEPAGE, one after the other on pages of their own, resident, and the layers compute
+    what they computed before the move."""
+    pretend_host(monkeypatch, host)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(512, 1024), nn.Linear(1024, 512, bias=False))  # 4 MiB
     x = torch.randn(8, 512)
@@ -207,7 +221,7 @@ def test_copies_for_our_gemm_sit_in_huge_pages(zen4, monkeypatch):
         for name in PackedLinear.OWN_WEIGHTS
         if getattr(layer, name) is not None and not getattr(layer, name).is_mkldnn
     ]
-    assert len(copies) == 2  # one per layer: Zen 4's decode copy, or the only one elsewhere
+    assert len(copies) == 2  # one per layer: a decode copy, or the only one
     for copy in copies:
         assert copy.data_ptr() % 4096 == 0 and "hg" in mapping_flags(copy.data_ptr())
     first_pages = -(-copies[0].nbytes // 4096) * 4096
