@@ -13,14 +13,14 @@ constexpr int kTileVecs = 3;  // vectors of columns per tile
 constexpr int64_t kTileCols = kTileVecs * Vec::W;
 static_assert(kPanel % kTileCols == 0, "a panel must split into whole tiles");
 
-// Lines (64 bytes) of ``ahead`` asked for in a group every kAheadEvery k's of a tile. A
-// tile's share of the next panel (or slice) spread evenly over its k's, in groups of a few
-// lines, instead of its first k's asking for three lines each: measured on an Intel Xeon VM
-// (family 6 model 207), one thread, 30+ weight copies from memory, the fastest of 3,000 calls,
-// M = 64 panel by panel: 147-155 -> 185-191 GFLOP/s on the four layer shapes (the weight in
-// L2: 195-212), slice by slice 143-146 -> 180-183, M = 32 109-117 -> 140-145; one group every
-// 16 k's read 161-181, every 64 156-191, the old burst at one k row a k 148-155. The AVX2
-// path on the same host: 90-107 -> 98-108 at M = 64, 63-66 -> 83-84 at M = 16.
+// Lines (64 bytes) of ``ahead`` asked for in a group every kAheadEvery k's of a tile: the
+// tile's share of the next panel (or slice) spread evenly over its k's, where its first k's
+// asked for three lines each before. Measured on an Intel Xeon VM (family 6 model 207) in a
+// scratch harness (docs/benchmarks.md): one thread, 30+ weight copies from memory, the
+// fastest of 3,000 calls, M = 64 panel by panel, three layer shapes: 147-155 -> 185-196
+// GFLOP/s (the weight in L2: 195-212); slice by slice 143-146 -> 180-183; M = 32 109-117 ->
+// 140-145; a group every 16 k's 161-181, every 64 156-191. The AVX2 path on the same host:
+// 90-107 -> 98-108 at M = 64, 63-66 -> 83-84 at M = 16.
 constexpr int64_t kAheadEvery = 32;
 
 inline void prefetch_line(const float* p) {
