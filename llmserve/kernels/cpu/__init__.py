@@ -79,6 +79,7 @@ LIBRARY = NativeLibrary(
             "parallel.h",
             "per_isa.h",
             "linear_io.h",
+            "prefetch_impl.h",
             "paged_attention_impl.h",
             "attention_scores_impl.h",
             "attention_chunk_impl.h",

@@ -6,6 +6,8 @@
 // so a panel (K x 48 floats) is contiguous, and so is each of its slices of kSlice k's.
 // (No include guard: this file is meant to be included several times.)
 
+#include "prefetch_impl.h"  // Ahead
+
 // Rows of x per register tile: with AVX-512, 8 rows x 48 columns = 24 accumulators (of 32
 // registers), 3 weight vectors and 1 broadcast; with AVX2, 4 rows x 24 columns (of 16).
 constexpr int kTileRows = Vec::W >= 16 ? 8 : 4;
@@ -13,34 +15,26 @@ constexpr int kTileVecs = 3;  // vectors of columns per tile
 constexpr int64_t kTileCols = kTileVecs * Vec::W;
 static_assert(kPanel % kTileCols == 0, "a panel must split into whole tiles");
 
-// Lines (64 bytes) of ``ahead`` asked for in a group every kAheadEvery k's of a tile: the
-// tile's share of the next panel (or slice) spread evenly over its k's, where its first k's
-// asked for three lines each before. Measured on an Intel Xeon VM (family 6 model 207) in a
-// scratch harness (docs/benchmarks.md): one thread, 30+ weight copies from memory, the
-// fastest of 3,000 calls, M = 64 panel by panel, three layer shapes: 147-155 -> 185-196
-// GFLOP/s (the weight in L2: 195-212); slice by slice 143-146 -> 180-183; M = 32 109-117 ->
-// 140-145; a group every 16 k's 161-181, every 64 156-191. The AVX2 path on the same host:
-// 90-107 -> 98-108 at M = 64, 63-66 -> 83-84 at M = 16.
+// k's of a tile between its asks for its share of the next panel (or slice): Ahead spreads
+// the share evenly over the tile's k's, where its first k's asked for three lines each
+// before. Measured on an Intel Xeon VM (family 6 model 207) in a scratch harness
+// (docs/benchmarks.md): one thread, 30+ weight copies from memory, the fastest of 3,000
+// calls, M = 64 panel by panel, three layer shapes: 147-155 -> 185-196 GFLOP/s (the weight in
+// L2: 195-212); slice by slice 143-146 -> 180-183; M = 32 109-117 -> 140-145; a group every
+// 16 k's 161-181, every 64 156-191. The AVX2 path on the same host: 90-107 -> 98-108 at M =
+// 64, 63-66 -> 83-84 at M = 16.
 constexpr int64_t kAheadEvery = 32;
-
-inline void prefetch_line(const float* p) {
-#ifdef LLMSERVE_X86
-  asm volatile("prefetcht0 %0" : : "m"(*p));  // inline asm, which GCC keeps
-#else
-  __builtin_prefetch(p, 0, 3);
-#endif
-}
 
 // y[r, c] (+)= sum_k x[r, k] w[k, c] for R rows, the V vectors of columns at w (panel rows of
 // kPanel floats, kc of them); ``first``: start from zero, else add to y; ``bias`` (last slice
 // only, else null) is added before the store. kAhead: ``ahead`` is this tile's share of the
-// next panel slice the thread reads (``ahead_k`` rows), asked for a group of lines at a time
-// beside the loads (kAheadEvery).
+// next panel slice the thread reads (``ahead_k`` rows), asked for a few lines every
+// kAheadEvery k's beside the loads.
 template <int R, bool kAhead, int V = kTileVecs>
 inline void gemm_tile(const float* x, int64_t ldx, const float* w, int64_t kc, float* y,
                       int64_t ldy, bool first, const float* bias, const float* ahead,
                       int64_t ahead_k) {
-  constexpr int64_t W = Vec::W, kLine = 16;  // floats per cache line
+  constexpr int64_t W = Vec::W;
   Vec acc[R][V];
   for (int r = 0; r < R; ++r) {
     for (int v = 0; v < V; ++v) {
@@ -55,21 +49,15 @@ inline void gemm_tile(const float* x, int64_t ldx, const float* w, int64_t kc, f
       for (int v = 0; v < V; ++v) acc[r][v] = Vec::fma(a, b[v], acc[r][v]);
     }
   };
-  const int64_t lines = kAhead ? ahead_k * (kPanel / kLine) : 0;
-  const int64_t group = (lines * kAheadEvery + kc - 1) / kc;  // lines a group
-  int64_t k = 0, line = 0;
+  Ahead next;  // this tile's share of what the thread reads next, over its groups of k's
+  if constexpr (kAhead) next.spread(ahead, ahead_k * kPanel * sizeof(float), kc / kAheadEvery);
+  int64_t k = 0;
   for (; k + kAheadEvery <= kc; k += kAheadEvery) {
-    if constexpr (kAhead) {
-      for (const int64_t end = std::min(lines, line + group); line < end; ++line) {
-        prefetch_line(ahead + line * kLine);
-      }
-    }
+    if constexpr (kAhead) next.step();
 #pragma GCC unroll 16
     for (int64_t j = 0; j < kAheadEvery; ++j) step(k + j);
   }
-  if constexpr (kAhead) {
-    for (; line < lines; ++line) prefetch_line(ahead + line * kLine);
-  }
+  if constexpr (kAhead) next.finish();
 #pragma GCC unroll 2
   for (; k < kc; ++k) step(k);
   for (int r = 0; r < R; ++r) {
