@@ -33,9 +33,10 @@ weight packed once skips that. Two kernels:
 - fp32 on Intel with AVX-512 (``onednn_takes_fp32_prompts``, as on Zen 4): oneDNN keeps each
   layer's main copy for prompt-sized calls, ours a second copy (whole panels) for up to
   ``FP32_INTEL_ROWS``; the LM head oneDNN only. On an Emerald Rapids class VM (family 6 model
-  207, no AMX), 2 threads, the weight in cache, fastest of many calls, M = 2048: oneDNN 372-396
-  GFLOP/s on the four layer shapes against ours 348-369 (256-row blocks slice by slice); M =
-  256: ours 388-407 panel by panel against 385-412. In the engine (random 256/128 x 64 offline,
+  207, no AMX), 2 threads, the weight in cache, fastest of many calls (a scratch timing loop;
+  ``fp32_linear`` reads the same order), M = 2048: oneDNN 372-396 GFLOP/s on the four layer
+  shapes against ours 348-369 (256-row blocks slice by slice); M = 256: ours 388-407 panel by
+  panel against 385-412. In the engine (random 256/128 x 64 offline,
   fp32, alternated, three rounds) 231 / 252 / 243 -> 261 / 278 / 256 tok/s with oneDNN above
   256 rows; decode sizes panel by panel or slice by slice even (242 / 270 / 265 against 242 /
   275 / 254). The default model's second copy: 405 MiB.
