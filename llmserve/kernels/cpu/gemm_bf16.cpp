@@ -59,18 +59,55 @@ constexpr int64_t kPairBytes = kPanel * 4;  // one k pair of a panel: 48 x 2 bf1
 int64_t num_panels(int64_t n) { return (n + kPanel - 1) / kPanel; }
 
 #ifdef LLMSERVE_X86
-// one k pair of the next panel asked for: 192 bytes, three lines
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"), always_inline)) inline void
-fetch_pair(const char* p) {
-  _mm_prefetch(p, _MM_HINT_T0);
-  _mm_prefetch(p + 64, _MM_HINT_T0);
-  _mm_prefetch(p + 128, _MM_HINT_T0);
+// the x86 code for AVX512_BF16 (the lambdas inside take the target too, as an attribute they
+// would not)
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16")
+
+#include "prefetch_impl.h"  // Ahead
+
+// k pairs of a tile between its asks for its share of the next panel, as gemm_impl.h's
+// kAheadEvery (one pair of a panel is 192 bytes, as one k of the fp32 GEMM's)
+constexpr int64_t kAheadEvery = 32;
+
+// step(k) for the k pairs [0, kc), asking for ``ahead`` (this tile's share of the next
+// panel, ``ahead_pairs`` pairs) beside them. A share of half the pairs or more (one or two
+// row tiles a panel: up to 16 rows) is asked for a pair (three lines) every pair from the
+// first; a smaller one a few lines every kAheadEvery pairs (Ahead::spread), not all in the
+// tile's first pairs. One thread, 40 weight copies from memory (huge pages), the default
+// model's q|k|v, gate|up and down shapes, widened, on an Intel Xeon VM (family 6 model 207),
+// fastest of 3,000 calls: M = 64 156-163 -> 172-180 GFLOP/s; M = 8 asking in groups instead
+// read 85-125 against 89-169, hence a pair every pair there (docs/benchmarks.md).
+template <typename Step>
+__attribute__((always_inline)) inline void over_pairs(int64_t kc, const char* ahead,
+                                                      int64_t ahead_pairs, const Step& step) {
+  if (ahead_pairs * 2 >= kc) {
+    for (int64_t k = 0; k < kc; ++k) {
+      if (k < ahead_pairs) {
+        const char* pair = ahead + k * kPairBytes;
+        _mm_prefetch(pair, _MM_HINT_T0);
+        _mm_prefetch(pair + 64, _MM_HINT_T0);
+        _mm_prefetch(pair + 128, _MM_HINT_T0);
+      }
+      step(k);
+    }
+    return;
+  }
+  Ahead next;
+  next.spread(ahead, ahead_pairs * kPairBytes, kc / kAheadEvery);
+  int64_t k = 0;
+  for (; k + kAheadEvery <= kc; k += kAheadEvery) {
+    next.step();
+    for (int64_t j = 0; j < kAheadEvery; ++j) step(k + j);
+  }
+  next.finish();
+  for (; k < kc; ++k) step(k);
 }
 
 // a tile's sums (+ bias) rounded to bf16 once and stored: R rows x 48 columns
 template <int R>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"), always_inline)) inline void
-store_tile(__m512 (&acc)[R][3], const float* bias, uint16_t* y, int64_t ldy) {
+__attribute__((always_inline)) inline void store_tile(__m512 (&acc)[R][3], const float* bias,
+                                                     uint16_t* y, int64_t ldy) {
   for (int r = 0; r < R; ++r) {
     for (int v = 0; v < 3; ++v) {
       __m512 out = acc[r][v];
@@ -84,15 +121,13 @@ store_tile(__m512 (&acc)[R][3], const float* bias, uint16_t* y, int64_t ldy) {
 // y[r, 48 columns] = bf16(x[r, pairs] . w[pairs, 48 columns] + bias) for R rows, kc pairs.
 // ``ahead``/``ahead_pairs``: this tile's share of the next panel to fetch.
 template <int R>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline void tile(
-    const uint32_t* x, int64_t ldx, const uint16_t* w, int64_t kc, const float* bias,
-    uint16_t* y, int64_t ldy, const char* ahead, int64_t ahead_pairs) {
+inline void tile(const uint32_t* x, int64_t ldx, const uint16_t* w, int64_t kc, const float* bias,
+                 uint16_t* y, int64_t ldy, const char* ahead, int64_t ahead_pairs) {
   __m512 acc[R][3];
   for (int r = 0; r < R; ++r) {
     for (int v = 0; v < 3; ++v) acc[r][v] = _mm512_setzero_ps();
   }
-  for (int64_t k = 0; k < kc; ++k) {
-    if (k < ahead_pairs) fetch_pair(ahead + k * kPairBytes);
+  over_pairs(kc, ahead, ahead_pairs, [&](int64_t k) __attribute__((always_inline)) {
     const __m512bh b0 = (__m512bh)_mm512_loadu_si512(w + k * 2 * kPanel);
     const __m512bh b1 = (__m512bh)_mm512_loadu_si512(w + k * 2 * kPanel + 32);
     const __m512bh b2 = (__m512bh)_mm512_loadu_si512(w + k * 2 * kPanel + 64);
@@ -102,7 +137,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline void tile
       acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, b1);
       acc[r][2] = _mm512_dpbf16_ps(acc[r][2], a, b2);
     }
-  }
+  });
   store_tile<R>(acc, bias, y, ldy);
 }
 
@@ -114,16 +149,14 @@ struct F32Pair {
 // The same tile in fp32 FMAs: x as widened pairs, each loaded weight vector (16 columns x one
 // k pair) split into its even and odd k's fp32 values.
 template <int R>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline void tile(
-    const F32Pair* x, int64_t ldx, const uint16_t* w, int64_t kc, const float* bias,
-    uint16_t* y, int64_t ldy, const char* ahead, int64_t ahead_pairs) {
+inline void tile(const F32Pair* x, int64_t ldx, const uint16_t* w, int64_t kc, const float* bias,
+                 uint16_t* y, int64_t ldy, const char* ahead, int64_t ahead_pairs) {
   __m512 acc[R][3];
   for (int r = 0; r < R; ++r) {
     for (int v = 0; v < 3; ++v) acc[r][v] = _mm512_setzero_ps();
   }
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  for (int64_t k = 0; k < kc; ++k) {
-    if (k < ahead_pairs) fetch_pair(ahead + k * kPairBytes);
+  over_pairs(kc, ahead, ahead_pairs, [&](int64_t k) __attribute__((always_inline)) {
     for (int v = 0; v < 3; ++v) {
       const __m512i pairs = _mm512_loadu_si512(w + k * 2 * kPanel + v * 32);
       const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
@@ -134,7 +167,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline void tile
         acc[r][v] = _mm512_fmadd_ps(_mm512_set1_ps(a.odd), odd, acc[r][v]);
       }
     }
-  }
+  });
   store_tile<R>(acc, bias, y, ldy);
 }
 
@@ -175,6 +208,7 @@ void linear_rows(const X* x, int64_t K2, const uint16_t* packed, const float* bi
     }
   }
 }
+#pragma GCC pop_options
 #endif
 
 at::Tensor linear_bf16_pack(const at::Tensor& w) {
