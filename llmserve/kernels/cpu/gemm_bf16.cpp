@@ -76,8 +76,8 @@ constexpr int64_t kAheadEvery = 32;
 // first; a smaller one a few lines every kAheadEvery pairs (Ahead::spread), not all in the
 // tile's first pairs. One thread, 40 weight copies from memory (huge pages), the default
 // model's q|k|v, gate|up and down shapes, widened, on an Intel Xeon VM (family 6 model 207),
-// fastest of 3,000 calls: M = 64 156-163 -> 172-180 GFLOP/s; M = 8 asking in groups instead
-// read 85-125 against 89-169, hence a pair every pair there (docs/benchmarks.md).
+// the fastest of 3,000 calls, alternated: M = 64 155-175 -> 171-181 GFLOP/s; M = 8 (one tile
+// a panel) in groups read 67-125 against 89-170 a pair every pair (docs/benchmarks.md).
 template <typename Step>
 __attribute__((always_inline)) inline void over_pairs(int64_t kc, const char* ahead,
                                                       int64_t ahead_pairs, const Step& step) {
