@@ -44,6 +44,7 @@ SHAPES = [  # (M, K, N)
     (64, 576, 96),
     (17, 256, 145),
     (300, 70, 49),
+    (600, 64, 500),  # three row blocks of 256, eleven panels: one parallel region
 ]
 
 

@@ -246,13 +246,16 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n,
     const float* b = padded_bias.defined() ? padded_bias.data_ptr<float>() : nullptr;
     const int64_t grain = ::llmserve::grain_for(np, kChunksPerThread);
     const at::Tensor xw = widen ? xc.to(at::kFloat) : xc;  // widened once for every panel
+    // blocks of kRowBlock rows x chunks of panels, handed out block by block in one parallel
+    // region: a thread done with its chunks of one block takes the next block's instead of
+    // waiting at a barrier per block (prompt chunks of 2048 rows: 8 blocks)
+    const int64_t chunks = (np + grain - 1) / grain, blocks = (M + kRowBlock - 1) / kRowBlock;
     auto run = [&](const auto* xp) {
-      for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
-        const int64_t m1 = std::min(M, m0 + kRowBlock);
-        ::llmserve::parallel_take_ahead(np, grain, [&](int64_t pb, int64_t pe, int64_t next) {
-          linear_rows(xp, K / 2, wp, b, yp, padded_n, m0, m1, pb, pe, next);
-        });
-      }
+      ::llmserve::parallel_take_ahead(blocks * chunks, 1, [&](int64_t i, int64_t, int64_t next) {
+        const int64_t m0 = i / chunks * kRowBlock, pb = i % chunks * grain;
+        linear_rows(xp, K / 2, wp, b, yp, padded_n, m0, std::min(M, m0 + kRowBlock), pb,
+                    std::min(np, pb + grain), next < 0 ? -1 : next % chunks * grain);
+      });
     };
     if (widen) {
       run(reinterpret_cast<const F32Pair*>(xw.data_ptr()));
