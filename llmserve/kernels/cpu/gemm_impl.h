@@ -49,17 +49,9 @@ inline void gemm_tile(const float* x, int64_t ldx, const float* w, int64_t kc, f
       for (int v = 0; v < V; ++v) acc[r][v] = Vec::fma(a, b[v], acc[r][v]);
     }
   };
-  Ahead next;  // this tile's share of what the thread reads next, over its groups of k's
+  Ahead next;  // this tile's share of what the thread reads next (none: asks for nothing)
   if constexpr (kAhead) next.spread(ahead, ahead_k * kPanel * sizeof(float), kc / kAheadEvery);
-  int64_t k = 0;
-  for (; k + kAheadEvery <= kc; k += kAheadEvery) {
-    if constexpr (kAhead) next.step();
-#pragma GCC unroll 16
-    for (int64_t j = 0; j < kAheadEvery; ++j) step(k + j);
-  }
-  if constexpr (kAhead) next.finish();
-#pragma GCC unroll 2
-  for (; k < kc; ++k) step(k);
+  over_groups<kAheadEvery>(kc, next, step);
   for (int r = 0; r < R; ++r) {
     for (int v = 0; v < V; ++v) {
       if (bias != nullptr) acc[r][v] = Vec::add(acc[r][v], Vec::load(bias + v * W));

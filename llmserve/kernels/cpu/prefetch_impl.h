@@ -1,5 +1,5 @@
 // Asking for memory ahead of its use, included by the kernel bodies that stream it
-// (attention_scores_impl.h, gemm_impl.h), so once per ISA inside their namespaces.
+// (attention_scores_impl.h, gemm_impl.h, gemm_bf16.cpp), so once per ISA inside their namespaces.
 // (No include guard: this file is meant to be included several times.)
 
 // ask for the cache lines of [p, p + bytes) ahead of their use; Locality is
@@ -30,7 +30,7 @@ inline void prefetch(const void* p, int64_t bytes) {
 // compute instead of issued in one burst. The lines per step come from the steps the previous
 // block took (the same kernels, so the same count but for a sequence's last, partial block);
 // finish() asks for whatever is left. spread() takes the count of steps to come instead
-// where the caller knows it (gemm_impl.h's tiles).
+// where the caller knows it (the GEMMs' tiles, through over_groups).
 struct Ahead {
   const char* cur = nullptr;
   const char* end = nullptr;
@@ -62,3 +62,19 @@ struct Ahead {
     cur = end;
   }
 };
+
+// step(k) for k in [0, n) in groups of Every, next.step() before each whole group and
+// next.finish() after them (the last n % Every k's run after): the GEMM tiles' loop over their
+// k's, their share of the next panel spread over it by next.spread(..., n / Every)
+template <int64_t Every, typename Step>
+__attribute__((always_inline)) inline void over_groups(int64_t n, Ahead& next, const Step& step) {
+  int64_t k = 0;
+  for (; k + Every <= n; k += Every) {
+    next.step();
+#pragma GCC unroll 16
+    for (int64_t j = 0; j < Every; ++j) step(k + j);
+  }
+  next.finish();
+#pragma GCC unroll 2
+  for (; k < n; ++k) step(k);
+}
