@@ -1,4 +1,5 @@
-"""What Linux's /proc/cpuinfo says about this CPU, read once (torch-free).
+"""What Linux's /proc/cpuinfo (and /sys's cache sizes) say about this CPU, read once
+(torch-free).
 
 Several choices depend on the host: which kernels AVX-512 or AVX512_BF16 unlocks, where
 llmserve's own GEMMs beat oneDNN (AMD Zen 4 and Zen 5), whether ``auto`` pins the compute
@@ -9,6 +10,9 @@ Off Linux the fields are empty, so each rule falls back to its portable default.
 from __future__ import annotations
 
 import functools
+from pathlib import Path
+
+CPU0_CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
 
 
 @functools.cache
@@ -64,3 +68,26 @@ def _is_amd_avx512(fields: dict[str, str], family: str) -> bool:
 def is_intel() -> bool:
     """Whether this CPU's vendor is Intel (False off Linux)."""
     return cpu_fields().get("vendor_id") == "GenuineIntel"
+
+
+@functools.cache
+def last_level_cache_bytes(caches: Path = CPU0_CACHES) -> int:
+    """The size of the first CPU's last-level cache (the highest ``index*/level`` under
+    ``caches``), or 0 where Linux does not say."""
+    best_level, size = 0, 0
+    for index in sorted(caches.glob("index*")):
+        try:
+            level = int((index / "level").read_text())
+            text = (index / "size").read_text()
+        except (OSError, ValueError):
+            continue
+        if level > best_level:
+            best_level, size = level, cache_size_bytes(text)
+    return size
+
+
+def cache_size_bytes(text: str) -> int:
+    """Bytes of a /sys cache ``size`` file's text: ``32K``, ``266240K``, ``32M``, ``1024``."""
+    text = text.strip().upper()
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    return int(text.rstrip("KMG")) * scale

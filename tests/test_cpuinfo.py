@@ -38,3 +38,28 @@ def test_this_hosts_flags_vendor_and_name_are_what_linux_lists():
         assert "sse2" in cpuinfo.cpu_flags()  # every x86-64 CPU
     assert cpuinfo.is_intel() == (line["vendor_id"] == "GenuineIntel")
     assert machine_info()["cpu"] == line["model name"]
+
+
+def test_the_last_level_cache_is_the_highest_level_listed(tmp_path):
+    caches = [(0, 1, "48K"), (1, 1, "32K"), (2, 2, "2048K"), (3, 3, "260M")]
+    for name, listed in [("all", caches), ("no_level_3", caches[:3])]:
+        for index, level, size in listed:
+            (tmp_path / name / f"index{index}").mkdir(parents=True)
+            (tmp_path / name / f"index{index}" / "level").write_text(f"{level}\n")
+            (tmp_path / name / f"index{index}" / "size").write_text(f"{size}\n")
+    (tmp_path / "no_level_3" / "index3").mkdir()  # listed, but no level to read
+    assert cpuinfo.last_level_cache_bytes(tmp_path / "all") == 260 << 20
+    assert cpuinfo.last_level_cache_bytes(tmp_path / "no_level_3") == 2048 << 10
+    assert cpuinfo.last_level_cache_bytes(tmp_path / "missing") == 0
+    assert cpuinfo.cache_size_bytes("1024\n") == 1024
+
+
+def test_the_linear_benchmark_cycles_weights_past_the_last_level_cache():
+    from llmserve.benchmarks import fp32_linear
+
+    llc = cpuinfo.last_level_cache_bytes()
+    for weight_bytes in (1 << 20, 7 << 20, 113 << 20):
+        copies = fp32_linear.default_copies(weight_bytes)
+        assert copies >= fp32_linear.MIN_COPIES
+        assert copies * weight_bytes >= 2 * llc
+        assert copies == fp32_linear.MIN_COPIES or (copies - 1) * weight_bytes < 2 * llc

@@ -4,9 +4,12 @@ panel with ``whole_panels``; with ``--dtype bfloat16`` gemm_bf16.cpp, where the 
 AVX512_BF16) against oneDNN's packed weight and ``F.linear``.
 
 For each linear shape of SmolLM2-135M at M rows (1: batch-1 decode, 64: a decode batch, 2048:
-a prompt chunk), ``--layers`` copies of the weight are cycled, as the 30 layers of a forward
-pass are, so that at the default they come from DRAM, not the caches: that is the case a
-decode step meets, and where the kernels differ. Each (layer, M) is timed ``--rounds`` times,
+a prompt chunk), copies of the weight are cycled, as the layers of a forward pass are, so that
+they come from DRAM, not the caches: that is the case a decode step meets (its weights and K/V
+together are several times any last-level cache), and where the kernels differ. By default
+as many copies as fill twice the last-level cache, at least 30 (an Intel Xeon VM measured
+here has a 260 MB L3, where 30 copies of the q|k|v, o or down weight, 40-106 MB in fp32, all
+fit); ``--layers`` sets the count. Each (layer, M) is timed ``--rounds`` times,
 the kernels taking turns (this kind of VM drifts by 10-20% within minutes); reported per call,
 the median round: microseconds and GFLOP/s.
 """
@@ -21,6 +24,7 @@ import torch
 from torch.nn import functional as F
 
 from llmserve.benchmarks.kernels import SMOLLM2_SHAPES
+from llmserve.cpuinfo import last_level_cache_bytes
 from llmserve.kernels import cpu as cpu_kernels
 from llmserve.layers import cpu_linear
 
@@ -67,9 +71,18 @@ def _time_us(fn, x: torch.Tensor, packed: list, budget_s: float) -> float:
     return elapsed / (rounds * len(packed)) * 1e6
 
 
+MIN_COPIES = 30  # the default model's layers
+MAX_BYTES = 1 << 30  # of copies per kernel
+
+
+def default_copies(weight_bytes: int) -> int:
+    """Copies of a weight that fill twice the last-level cache, at least MIN_COPIES."""
+    return max(MIN_COPIES, -(-2 * last_level_cache_bytes() // weight_bytes))
+
+
 def measure(
     rows: list[int],
-    layers: int,
+    layers: int | None,
     budget_s: float,
     dtype: torch.dtype = torch.float32,
     rounds: int = 1,
@@ -77,7 +90,8 @@ def measure(
     results = []
     for layer, n, k in SMOLLM2_SHAPES:
         size = n * k * dtype.itemsize
-        copies = max(2, min(layers, (1 << 30) // size))  # at most 1 GiB per kernel
+        copies = layers if layers is not None else default_copies(size)
+        copies = max(2, min(copies, MAX_BYTES // size))
         weights = [(torch.randn(n, k) * 0.02).to(dtype) for _ in range(copies)]
         kernels = _kernels(weights)
         for m in rows:
@@ -115,7 +129,10 @@ def format_table(results: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 64, 2048])
-    parser.add_argument("--layers", type=int, default=30, help="weight copies cycled")
+    parser.add_argument(
+        "--layers", type=int, default=None,
+        help="weight copies cycled (default: enough to fill twice the last-level cache)",
+    )  # fmt: skip
     parser.add_argument("--budget-s", type=float, default=1.0, help="seconds per measurement")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
@@ -124,7 +141,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    print(f"{args.dtype} linears, {torch.get_num_threads()} threads, {args.layers} weight copies, "
+    copies = f"{args.layers} weight copies" if args.layers else (
+        f"weight copies filling {2 * last_level_cache_bytes() >> 20} MiB (twice the last-level "
+        f"cache; {MIN_COPIES} to {MAX_BYTES >> 20} MiB)"
+    )
+    print(f"{args.dtype} linears, {torch.get_num_threads()} threads, {copies}, "
           f"{args.rounds} rounds, "
           f"llmserve ISA {cpu_kernels.current_isa() if cpu_kernels.available() else '-'}")  # fmt: skip
     print(format_table(measure(args.rows, args.layers, args.budget_s, dtype, args.rounds)))
