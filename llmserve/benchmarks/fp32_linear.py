@@ -141,14 +141,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    copies = (
-        f"{args.layers} weight copies"
-        if args.layers
-        else (
-            f"weight copies filling {2 * last_level_cache_bytes() >> 20} MiB (twice the last-level "
-            f"cache; {MIN_COPIES} to {MAX_BYTES >> 20} MiB)"
-        )
-    )
+    filled = 2 * last_level_cache_bytes() >> 20
+    copies = f"{args.layers} weight copies" if args.layers else f"weight copies of {filled} MiB"
     print(f"{args.dtype} linears, {torch.get_num_threads()} threads, {copies}, "
           f"{args.rounds} rounds, "
           f"llmserve ISA {cpu_kernels.current_isa() if cpu_kernels.available() else '-'}")  # fmt: skip
