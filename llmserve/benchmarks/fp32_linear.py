@@ -9,7 +9,9 @@ they come from DRAM, not the caches: that is the case a decode step meets (its w
 together are several times any last-level cache), and where the kernels differ. By default
 as many copies as fill twice the last-level cache, at least 30 (an Intel Xeon VM measured
 here has a 260 MB L3, where 30 copies of the q|k|v, o or down weight, 40-106 MB in fp32, all
-fit); ``--layers`` sets the count. Each (layer, M) is timed ``--rounds`` times,
+fit); ``--layers`` sets the count. llmserve's packed copies lie in transparent huge pages as
+the engine puts them (``cpu_linear.move_to_huge_pages``; ``--pages 4k`` leaves them on plain
+pages; oneDNN's opaque copies stay there in both). Each (layer, M) is timed ``--rounds`` times,
 the kernels taking turns (this kind of VM drifts by 10-20% within minutes); reported per call,
 the median round: microseconds and GFLOP/s.
 """
@@ -27,10 +29,19 @@ from llmserve.benchmarks.kernels import SMOLLM2_SHAPES
 from llmserve.cpuinfo import last_level_cache_bytes
 from llmserve.kernels import cpu as cpu_kernels
 from llmserve.layers import cpu_linear
+from llmserve.memory import HugePageArena
 
 
-def _kernels(weights: list[torch.Tensor]) -> dict[str, tuple]:
+def _in_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of ``tensors`` in one region of transparent huge pages (as the engine moves its
+    packed weights), or ``tensors`` themselves where Linux gives none."""
+    arena = HugePageArena(tensors)
+    return [arena.copy(t) for t in tensors] if arena.nbytes else tensors
+
+
+def _kernels(weights: list[torch.Tensor], huge_pages: bool = True) -> dict[str, tuple]:
     """name -> (x, packed weight -> y, the packed weights)"""
+    place = _in_huge_pages if huge_pages else list
     kernels = {"F.linear": (F.linear, weights)}
     bf16 = weights[0].dtype == torch.bfloat16
     if torch.backends.mkldnn.is_available() and (not bf16 or cpu_linear.has_native_bf16()):
@@ -41,14 +52,14 @@ def _kernels(weights: list[torch.Tensor]) -> dict[str, tuple]:
         )
     n = weights[0].shape[0]
     if bf16 and cpu_kernels.has_bf16_gemm():
-        ours = [cpu_kernels.linear_bf16_pack(w) for w in weights]
+        ours = place([cpu_kernels.linear_bf16_pack(w) for w in weights])
         kernels["llmserve linear_bf16"] = (lambda x, w: cpu_kernels.linear_bf16(x, w, n), ours)
         kernels["llmserve widened"] = (  # fp32 FMAs: the order PackedLinear uses on Intel
             lambda x, w: cpu_kernels.linear_bf16(x, w, n, widen=True),  # without AMX
             ours,
         )
     elif not bf16 and cpu_kernels.available():
-        ours = [cpu_kernels.linear_f32_pack(w) for w in weights]
+        ours = place([cpu_kernels.linear_f32_pack(w) for w in weights])
         kernels["llmserve linear_f32"] = (lambda x, w: cpu_kernels.linear_f32(x, w, n), ours)
         kernels["llmserve whole panels"] = (  # the order PackedLinear uses on Zen 4
             lambda x, w: cpu_kernels.linear_f32(x, w, n, whole_panels=True),
@@ -86,6 +97,7 @@ def measure(
     budget_s: float,
     dtype: torch.dtype = torch.float32,
     rounds: int = 1,
+    huge_pages: bool = True,
 ) -> list[dict]:
     results = []
     for layer, n, k in SMOLLM2_SHAPES:
@@ -93,7 +105,7 @@ def measure(
         copies = layers if layers is not None else default_copies(size)
         copies = max(2, min(copies, MAX_BYTES // size))
         weights = [(torch.randn(n, k) * 0.02).to(dtype) for _ in range(copies)]
-        kernels = _kernels(weights)
+        kernels = _kernels(weights, huge_pages)
         for m in rows:
             x = torch.randn(m, k).to(dtype)
             times: dict[str, list[float]] = {name: [] for name in kernels}
@@ -137,16 +149,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--rounds", type=int, default=1, help="turns per kernel (median)")
+    parser.add_argument(
+        "--pages", choices=["huge", "4k"], default="huge",
+        help="llmserve's packed copies in transparent huge pages (as the engine) or plain ones",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     filled = 2 * last_level_cache_bytes() >> 20
     copies = f"{args.layers} weight copies" if args.layers else f"weight copies of {filled} MiB"
-    print(f"{args.dtype} linears, {torch.get_num_threads()} threads, {copies}, "
-          f"{args.rounds} rounds, "
-          f"llmserve ISA {cpu_kernels.current_isa() if cpu_kernels.available() else '-'}")  # fmt: skip
-    print(format_table(measure(args.rows, args.layers, args.budget_s, dtype, args.rounds)))
+    isa = cpu_kernels.current_isa() if cpu_kernels.available() else "-"
+    print(f"{args.dtype} linears, {torch.get_num_threads()} threads, {copies} ({args.pages} "
+          f"pages for llmserve's), {args.rounds} rounds, llmserve ISA {isa}")  # fmt: skip
+    huge = args.pages == "huge"
+    print(format_table(measure(args.rows, args.layers, args.budget_s, dtype, args.rounds, huge)))
 
 
 if __name__ == "__main__":

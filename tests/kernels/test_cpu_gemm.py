@@ -10,6 +10,7 @@ slice, and ``whole_panels``: panel by panel over all of K).
 
 from __future__ import annotations
 
+import mmap
 import shutil
 import sys
 
@@ -258,3 +259,23 @@ def test_zen4_is_told_apart_by_vendor_family_and_avx512(vendor, family, flags, z
         )
         == zen4
     )
+
+
+def test_linear_benchmark_times_the_engines_fp32_kernels_on_its_pages():
+    """``benchmarks.fp32_linear``: every layer shape through llmserve's GEMM in both orders
+    beside F.linear, its packed copies in huge pages as the engine moves them (equal to the
+    originals) or on plain pages."""
+    from llmserve.benchmarks import fp32_linear
+
+    packed = [cpu_kernels.linear_f32_pack(torch.randn(2048, 512)) for _ in range(3)]  # 12 MiB
+    moved = fp32_linear._in_huge_pages(packed)
+    assert all(torch.equal(a, b) for a, b in zip(moved, packed, strict=True))
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # one region of huge pages, the copies one by one
+        assert moved[0].data_ptr() != packed[0].data_ptr()
+        assert moved[1].data_ptr() - moved[0].data_ptr() == packed[0].nbytes
+    for huge in (True, False):
+        results = fp32_linear.measure([3], layers=2, budget_s=0.0, huge_pages=huge)
+        kernels = {r["kernel"] for r in results}
+        assert {"llmserve linear_f32", "llmserve whole panels", "F.linear"} <= kernels
+        assert len(results) == 5 * len(kernels)  # SmolLM2's five shapes
+        assert all(r["us"] > 0 and r["gflops"] > 0 for r in results)
