@@ -1,0 +1,44 @@
+"""benchmarks/server_vs_offline.py: a real pair (the offline engine, then a real server on
+loopback with llmserve's client, the same prompts), its ratio and the verdict."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+from server_process import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def svo():
+    spec = importlib.util.spec_from_file_location(
+        "server_vs_offline", ROOT / "benchmarks/server_vs_offline.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_pair_runs_offline_then_a_server_on_the_same_prompts(svo, tmp_path, capsys):
+    svo.main(["--pairs", "1", "--num-prompts", "2", "--input-len", "16", "--output-len", "4",
+              "--port", str(free_port()), "--out", str(tmp_path)])  # fmt: skip
+    (one,) = json.loads((tmp_path / "results.json").read_text())["pairs"]
+    assert one["offline"] > 0 and one["server"] > 0
+    assert one["ratio"] == pytest.approx(one["server"] / one["offline"])
+    client = json.loads((tmp_path / "client-1.json").read_text())
+    offline = json.loads((tmp_path / "offline-1.json").read_text())
+    assert client["completed"] == 2 and client["total_output_tokens"] == 2 * 4
+    assert offline["results"][0]["num_requests"] == 2
+    assert client["total_prompt_tokens"] == offline["results"][0]["total_prompt_tokens"] == 32
+    assert "median" in capsys.readouterr().out
+
+
+def test_the_verdict_is_the_median_pairs_against_the_target(svo):
+    pairs = [{"pair": i, "offline": 100.0, "server": s, "ratio": s / 100} for i, s in
+             enumerate([90.0, 96.0, 99.0], 1)]  # fmt: skip
+    assert "median 0.960 (target >= 0.95: met)" in svo.summary(pairs, "float32")
+    assert "NOT met" in svo.summary(pairs[:1], "bfloat16")
