@@ -27,29 +27,27 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from side_by_side import KV_BYTES, NAME, Server, llmserve_cli, run  # noqa: E402
+from side_by_side import (  # noqa: E402
+    Server,
+    llmserve_client_cli,
+    llmserve_server_cli,
+    offline_cli,
+    random_batch_flags,
+    run,
+)
 
 TARGET = 0.95
 
 
 def pair(args: argparse.Namespace, pair_no: int, out: Path) -> dict:
     """One pair's output tok/s: offline first, then the server on the same prompts."""
-    seed = str(100 + pair_no)
-    shape = ["--workload", "random", "--input-len", str(args.input_len), "--output-len",
-             str(args.output_len), "--num-prompts", str(args.num_prompts), "--dataset-seed", seed,
-             "--disable-tqdm"]  # fmt: skip
-    offline_json = out / f"offline-{pair_no}.json"
-    run(llmserve_cli("bench", "throughput", *shape, "--dtype", args.dtype, "--kv-cache-memory",
-                     str(KV_BYTES), "--output-json", str(offline_json)),
-        out / f"offline-{pair_no}.txt")  # fmt: skip
-    serve = ("serve", "--dtype", args.dtype, "--port", str(args.port), "--served-model-name", NAME,
-             "--kv-cache-memory", str(KV_BYTES))  # fmt: skip
-    server = Server(llmserve_cli(*serve), out / f"server-{pair_no}.txt", args.port)
+    batch = random_batch_flags(args.num_prompts, 100 + pair_no, args.input_len, args.output_len)
+    offline_json, server_json = out / f"offline-{pair_no}.json", out / f"client-{pair_no}.json"
+    run(offline_cli(args.dtype, batch, offline_json), out / f"offline-{pair_no}.txt")
+    server = Server(llmserve_server_cli(args.dtype, args.port), out / f"server-{pair_no}.txt",
+                    args.port)  # fmt: skip
     try:
-        server_json = out / f"client-{pair_no}.json"
-        run(llmserve_cli("bench", "serve", "--base-url", server.url, "--served-model-name", NAME,
-                         *shape, "--request-rate", "inf", "--output-json", str(server_json)),
-            out / f"client-{pair_no}.txt")  # fmt: skip
+        run(llmserve_client_cli(server.url, batch, server_json), out / f"client-{pair_no}.txt")
     finally:
         server.close()
     offline = json.loads(offline_json.read_text())["results"][0]["output_throughput"]

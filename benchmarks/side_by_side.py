@@ -118,6 +118,33 @@ def llmserve_cli(*argv: str) -> list[str]:
     return [sys.executable, "-m", "llmserve.entrypoints.cli", *argv]
 
 
+def llmserve_server_cli(dtype: str, port: int) -> list[str]:
+    """llmserve's server as both scripts start it: the peer's name, 1 GiB of KV cache."""
+    return llmserve_cli("serve", "--dtype", dtype, "--port", str(port), "--served-model-name",
+                        NAME, "--kv-cache-memory", str(KV_BYTES))  # fmt: skip
+
+
+def random_batch_flags(num_prompts: int, seed: int, input_len: int = 256,
+                       output_len: int = 128) -> list[str]:  # fmt: skip
+    """``llmserve bench``'s flags for the random batch that llmserve's client sends a server
+    and the offline engine runs (server / offline divides the two)."""
+    return ["--workload", "random", "--input-len", str(input_len), "--output-len",
+            str(output_len), "--num-prompts", str(num_prompts), "--dataset-seed", str(seed),
+            "--disable-tqdm"]  # fmt: skip
+
+
+def llmserve_client_cli(url: str, batch: list[str], output_json: Path) -> list[str]:
+    """llmserve's client sending ``batch`` (random_batch_flags) all at once."""
+    return llmserve_cli("bench", "serve", "--base-url", url, "--served-model-name", NAME, *batch,
+                        "--request-rate", "inf", "--output-json", str(output_json))  # fmt: skip
+
+
+def offline_cli(dtype: str, batch: list[str], output_json: Path) -> list[str]:
+    """The offline engine on ``batch`` with the server's KV cache."""
+    return llmserve_cli("bench", "throughput", *batch, "--dtype", dtype, "--kv-cache-memory",
+                        str(KV_BYTES), "--output-json", str(output_json))  # fmt: skip
+
+
 LCLIENT_RUN = 3  # seed number of llmserve's client's run (vLLM's: 0-2) and of the offline random
 
 
@@ -152,12 +179,8 @@ def clients(args: argparse.Namespace, url: str, tag: str, out: Path, round_no: i
 
     def llmserve_client() -> None:
         name = f"{tag}-lclient-inf.json"
-        run(llmserve_cli("bench", "serve", "--base-url", url, "--served-model-name", NAME,
-                         "--workload", "random", "--input-len", "256", "--output-len", "128",
-                         "--num-prompts", str(args.num_prompts), "--request-rate", "inf",
-                         "--dataset-seed", str(seed(round_no, LCLIENT_RUN)), "--disable-tqdm",
-                         "--output-json", str(out / name)),
-            out / f"{tag}-lclient-inf.txt")  # fmt: skip
+        batch = random_batch_flags(args.num_prompts, seed(round_no, LCLIENT_RUN))
+        run(llmserve_client_cli(url, batch, out / name), out / f"{tag}-lclient-inf.txt")
         results["lclient-inf"] = json.loads((out / name).read_text())
 
     def at_once() -> None:
@@ -204,9 +227,8 @@ class Round:
 
     def llmserve_server(self) -> None:
         a = self.args
-        serve = ("serve", "--dtype", a.dtype, "--port", str(a.port), "--served-model-name", NAME)
-        server = Server(llmserve_cli(*serve, "--kv-cache-memory", str(KV_BYTES)),
-                        self.out / "llmserve-server.txt", a.port)  # fmt: skip
+        server = Server(llmserve_server_cli(a.dtype, a.port), self.out / "llmserve-server.txt",
+                        a.port)  # fmt: skip
         try:
             self.results["llmserve_server"] = clients(
                 a, server.url, "llmserve", self.out, self.round_no
@@ -229,11 +251,8 @@ class Round:
                 out / "off-latency.txt")  # fmt: skip
 
         def random_batch() -> None:
-            run(llmserve_cli("bench", "throughput", "--workload", "random", "--input-len", "256",
-                             "--output-len", "128", "--num-prompts", n, *common,
-                             "--dataset-seed", str(seed(self.round_no, LCLIENT_RUN)),
-                             "--output-json", str(out / "off-random.json")),
-                out / "off-random.txt")  # fmt: skip
+            batch = random_batch_flags(a.num_prompts, seed(self.round_no, LCLIENT_RUN))
+            run(offline_cli(a.dtype, batch, out / "off-random.json"), out / "off-random.txt")
 
         # the random batch next to the server's at-once runs (see clients())
         for part in in_round_order(self.round_no, [random_batch, text2sql_and_latency]):

@@ -246,3 +246,27 @@ def test_peer_reruns_itself_with_the_libraries_preloaded(tmp_path):
     lines = peer_first_lines({"VLLM_PEER_TCMALLOC": str(gone)})
     assert lines.count(f"vllm_cpu_peer.py: {gone} does not exist; not preloaded") == 1
     assert str(gone) not in lines[-1]
+
+
+def test_llmserves_commands_parse_and_share_the_random_batch(sbs, tmp_path):
+    """The server, llmserve's client and the offline batch as side_by_side.py (and
+    server_vs_offline.py) build them: llmserve's own CLI takes every flag, and the client and
+    the offline engine get the same prompts and the server's KV budget."""
+    from llmserve.entrypoints.cli import build_parser
+
+    batch = sbs.random_batch_flags(64, 13)
+    commands = {
+        "serve": sbs.llmserve_server_cli("bfloat16", 8011),
+        "client": sbs.llmserve_client_cli("http://127.0.0.1:8011", batch, tmp_path / "c.json"),
+        "offline": sbs.offline_cli("bfloat16", batch, tmp_path / "o.json"),
+    }
+    parsed = {}
+    for name, cmd in commands.items():
+        argv = cmd[cmd.index("llmserve.entrypoints.cli") + 1 :]
+        parsed[name] = build_parser(argv[0]).parse_args(argv)
+    client, offline = parsed["client"], parsed["offline"]
+    for field in ("workload", "input_len", "output_len", "num_prompts", "dataset_seed"):
+        assert getattr(client, field) == getattr(offline, field), field
+    assert (client.num_prompts, client.dataset_seed, client.request_rate) == (64, 13, float("inf"))
+    assert parsed["serve"].kv_cache_memory == offline.kv_cache_memory == sbs.KV_BYTES
+    assert parsed["serve"].dtype == offline.dtype == "bfloat16"
