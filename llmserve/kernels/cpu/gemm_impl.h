@@ -49,9 +49,9 @@ inline void gemm_tile(const float* x, int64_t ldx, const float* w, int64_t kc, f
       for (int v = 0; v < V; ++v) acc[r][v] = Vec::fma(a, b[v], acc[r][v]);
     }
   };
-  Ahead next;  // this tile's share of what the thread reads next (none: asks for nothing)
+  Ahead next;  // this tile's share of what the thread reads next
   if constexpr (kAhead) next.spread(ahead, ahead_k * kPanel * sizeof(float), kc / kAheadEvery);
-  over_groups<kAheadEvery>(kc, next, step);
+  over_groups<kAheadEvery, kAhead>(kc, next, step);
   for (int r = 0; r < R; ++r) {
     for (int v = 0; v < V; ++v) {
       if (bias != nullptr) acc[r][v] = Vec::add(acc[r][v], Vec::load(bias + v * W));

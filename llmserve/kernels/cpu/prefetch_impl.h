@@ -65,16 +65,17 @@ struct Ahead {
 
 // step(k) for k in [0, n) in groups of Every, next.step() before each whole group and
 // next.finish() after them (the last n % Every k's run after): the GEMM tiles' loop over their
-// k's, their share of the next panel spread over it by next.spread(..., n / Every)
-template <int64_t Every, typename Step>
+// k's, their share of the next panel spread over it by next.spread(..., n / Every). Ask =
+// false: a tile with nothing to ask for, whose loop then has no calls on next at all.
+template <int64_t Every, bool Ask = true, typename Step>
 __attribute__((always_inline)) inline void over_groups(int64_t n, Ahead& next, const Step& step) {
   int64_t k = 0;
   for (; k + Every <= n; k += Every) {
-    next.step();
+    if constexpr (Ask) next.step();
 #pragma GCC unroll 16
     for (int64_t j = 0; j < Every; ++j) step(k + j);
   }
-  next.finish();
+  if constexpr (Ask) next.finish();
 #pragma GCC unroll 2
   for (; k < n; ++k) step(k);
 }
