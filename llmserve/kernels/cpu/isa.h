@@ -68,7 +68,7 @@ inline unsigned amd_family() {
 // Whether bf16 products run faster as fp32 FMAs on values widened in registers than by
 // vdpbf16ps here: Intel CPUs with AVX512_BF16 and no AMX-BF16 (cpuid 7.0 EDX bit 22).
 // Measured on one (family 6 model 207, AMX hidden by its VM, 2 threads): vdpbf16ps ran the
-// bf16 GEMM at 180-200 GFLOP/s from 64 rows up, widened 240-285, fp32 FMAs peak at 356;
+// bf16 GEMM at 180-200 GFLOP/s from 64 rows up, widened 240-285 (the FMA peak: 410);
 // prompt attention (8 x 256, the default model's heads) 4.3-4.7 ms with vdpbf16ps, 3.7-3.9
 // widened. best_isa then takes the AVX-512 code without vdpbf16ps, and PackedLinear the bf16
 // GEMM's widened path (gemm_bf16.cpp). Intel's other CPUs without AMX but with AVX512_BF16
