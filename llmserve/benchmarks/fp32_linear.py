@@ -158,13 +158,9 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     filled = 2 * last_level_cache_bytes() >> 20
-    copies = (
-        f"{args.layers} weight copies"
-        if args.layers
-        else (
-            f"weight copies filling {filled} MiB a shape (at least {MIN_COPIES}, at most {MAX_BYTES >> 20} MiB)"
-        )
-    )
+    copies = f"{args.layers} weight copies" if args.layers else (
+        f"weight copies filling {filled} MiB a shape (at least {MIN_COPIES}, at most "
+        f"{MAX_BYTES >> 20} MiB)")  # fmt: skip
     isa = cpu_kernels.current_isa() if cpu_kernels.available() else "-"
     print(f"{args.dtype} linears, {torch.get_num_threads()} threads, {copies} ({args.pages} "
           f"pages for llmserve's), {args.rounds} rounds, llmserve ISA {isa}")  # fmt: skip

@@ -62,11 +62,12 @@ weight packed once skips that. Two kernels:
   takes ``linear_bf16`` too, widened (fp32 FMAs on the bf16 values, the same packed copy)
   from more than ``WIDEN_ROWS`` rows. On one such VM (family 6 model 207, AMX hidden) every
   vdpbf16ps kernel, oneDNN's included, ran at 180-200 GFLOP/s from 64 rows up, under
-  oneDNN's fp32 matmul (356) and the FMA peak (410). ``fp32_linear --dtype bfloat16`` there (30 weight copies, 2-3 rounds), us per
-  call, q|k|v / o / gate|up / down / LM head, vdpbf16ps -> widened (oneDNN): M = 1 29 / 17 /
-  71 / 42 / 2436 -> 33 / 20 / 77 / 46 / 2461 (43 / 32 / 114 / 56 / 2489); M = 4 even; M = 8
-  50 / 33 / 173 / 77 / 2696 -> 41 / 29 / 124 / 65 / 2487; M = 64 374 / 219 / 1248 / 636 /
-  18652 -> 262 / 160 / 947 / 445 / 13303 (446 / 237 / 1318 / 674 / 20173); M = 2048 1.35-1.4x.
+  oneDNN's fp32 matmul (356) and the FMA peak (410). ``fp32_linear --dtype bfloat16`` there
+  (30 weight copies, 2-3 rounds), us per call, q|k|v / o / gate|up / down / LM head,
+  vdpbf16ps -> widened (oneDNN): M = 1 29 / 17 / 71 / 42 / 2436 -> 33 / 20 / 77 / 46 / 2461
+  (43 / 32 / 114 / 56 / 2489); M = 4 even; M = 8 50 / 33 / 173 / 77 / 2696 -> 41 / 29 / 124 /
+  65 / 2487; M = 64 374 / 219 / 1248 / 636 / 18652 -> 262 / 160 / 947 / 445 / 13303 (446 /
+  237 / 1318 / 674 / 20173); M = 2048 1.35-1.4x.
 
 Applied to a plain model after its weights are loaded, like a quantization pass.
 """
