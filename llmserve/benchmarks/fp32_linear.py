@@ -1,7 +1,8 @@
 """``python -m llmserve.benchmarks.fp32_linear``: the CPU linears, llmserve's GEMM
 (kernels/cpu/gemm.cpp, in both orders of a decode-sized call: slice by slice, and panel by
 panel with ``whole_panels``; with ``--dtype bfloat16`` gemm_bf16.cpp, where the CPU has
-AVX512_BF16) against oneDNN's packed weight and ``F.linear``.
+AVX512_BF16, and gemm_amx.cpp, where it has AMX) against oneDNN's packed weight and
+``F.linear``.
 
 For each linear shape of SmolLM2-135M at M rows (1: batch-1 decode, 64: a decode batch, 2048:
 a prompt chunk), copies of the weight are cycled, as the layers of a forward pass are, so that
@@ -58,6 +59,12 @@ def _kernels(weights: list[torch.Tensor], huge_pages: bool = True) -> dict[str, 
             lambda x, w: cpu_kernels.linear_bf16(x, w, n, widen=True),  # without AMX
             ours,
         )
+        k = weights[0].shape[1]
+        if cpu_kernels.has_amx_gemm() and k % 32 == 0:  # AMX tiles (LLMSERVE_CPU_AMX_GEMM=1)
+            kernels["llmserve AMX"] = (
+                lambda x, w: cpu_kernels.linear_bf16_amx(x, w, n),
+                ours,
+            )
     elif not bf16 and cpu_kernels.available():
         ours = place([cpu_kernels.linear_f32_pack(w) for w in weights])
         kernels["llmserve linear_f32"] = (lambda x, w: cpu_kernels.linear_f32(x, w, n), ours)

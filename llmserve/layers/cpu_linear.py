@@ -58,6 +58,12 @@ weight packed once skips that. Two kernels:
   481 / 249 / 7678 against 199 / 130 / 534 / 295 / 8141; M = 256 and 2048 even or ahead by
   1-9%. In the engine (random 256/128 x 64 offline, bf16) 814-839 tok/s against 710-731.
   Intel's AMX hosts keep oneDNN (ours ran 2.7x slower there: no AMX tiles in it).
+- bf16 on Intel's AMX hosts, where ``LLMSERVE_CPU_AMX_GEMM=1``: calls of up to ``AMX_ROWS``
+  rows take ``kernels.cpu.linear_bf16_amx`` (gemm_amx.cpp: AMX tiles on ``linear_bf16_pack``'s
+  weight, streamed front to back) from a second copy, oneDNN the rest. On a Sapphire Rapids
+  class VM oneDNN's decode linears (batch 64) streamed their weights at 4-14 GB/s, half the
+  memory's rate at best (docs/benchmarks.md, 2026-11-27). Off by default (``0``): the kernel
+  is tested here through its emulated tiles only, not yet timed on an AMX host.
 - bf16 on Intel CPUs with AVX512_BF16 but no AMX (``kernels.cpu.widens_bf16``): every call
   takes ``linear_bf16`` too, widened (fp32 FMAs on the bf16 values, the same packed copy)
   from more than ``WIDEN_ROWS`` rows. On one such VM (family 6 model 207, AMX hidden) every
@@ -75,6 +81,7 @@ Applied to a plain model after its weights are loaded, like a quantization pass.
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 from torch import nn
@@ -93,6 +100,8 @@ FP32_INTEL_ROWS = 256  # the same on Intel with AVX-512 (gemm.cpp's kRowBlock; s
 BF16_DECODE_ROWS = 128  # most rows a layer hands llmserve's bf16 GEMM (Zen 4: see above)
 BF16_WIDE_ROWS = 6  # the same for layers wider than MAX_OWN_GEMM_FEATURES (the LM head)
 WIDEN_ROWS = 4  # where widens_bf16: up to this many rows by vdpbf16ps, more widened
+AMX_ROWS = 128  # most rows a bf16 layer hands llmserve's AMX GEMM, where it is on
+AMX_GEMM_ENV = "LLMSERVE_CPU_AMX_GEMM"
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -162,6 +171,25 @@ def own_bf16_gemm_rows(out_features: int, in_features: int) -> int:
     return BF16_DECODE_ROWS if out_features <= MAX_OWN_GEMM_FEATURES else BF16_WIDE_ROWS
 
 
+def amx_gemm_enabled() -> bool:
+    """Whether ``LLMSERVE_CPU_AMX_GEMM`` turns llmserve's AMX GEMM on (``1``; default ``0``)."""
+    value = os.environ.get(AMX_GEMM_ENV, "0")
+    if value not in ("0", "1"):
+        raise ValueError(
+            f"{AMX_GEMM_ENV}={value!r}: expected 0 (oneDNN) or 1 (llmserve's AMX GEMM)"
+        )
+    return value == "1"
+
+
+def own_amx_gemm_rows(in_features: int) -> int:
+    """Up to how many rows a bf16 layer takes llmserve's AMX GEMM here (0: never): ``AMX_ROWS``
+    where ``LLMSERVE_CPU_AMX_GEMM=1``, the CPU runs AMX tiles and in_features is a multiple of
+    32 (a tile's k)."""
+    if not amx_gemm_enabled() or in_features % 32 or not cpu_kernels.has_amx_gemm():
+        return 0
+    return AMX_ROWS
+
+
 class PackedLinear(Module):
     """``y = x @ W^T + b`` with ``W`` prepacked for llmserve's fp32 or bf16 GEMM or oneDNN
     (inference only)."""
@@ -194,6 +222,11 @@ class PackedLinear(Module):
             if bf16 and not self.own_bf16_gemm
             else 0
         )
+        # or, on AMX hosts that ask for it, for llmserve's AMX GEMM (own_amx_gemm_rows)
+        self.amx = False
+        if bf16 and not self.own_bf16_gemm and not self.bf16_rows:
+            self.bf16_rows = own_amx_gemm_rows(self.in_features)
+            self.amx = self.bf16_rows > 0
         self.bf16_weight = cpu_kernels.linear_bf16_pack(weight) if self.bf16_rows else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -216,6 +249,10 @@ class PackedLinear(Module):
             and x.numel() <= self.bf16_rows * self.in_features
             and x.dtype == torch.bfloat16
         ):
+            if self.amx:
+                return cpu_kernels.linear_bf16_amx(
+                    x, self.bf16_weight, self.out_features, self.bias
+                )
             return cpu_kernels.linear_bf16(x, self.bf16_weight, self.out_features, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
@@ -228,7 +265,8 @@ class PackedLinear(Module):
         if self.f32_weight is not None:
             kernel += f" (llmserve's for up to {self.f32_rows} rows)"
         if self.bf16_weight is not None:
-            kernel += f" (llmserve's bf16 GEMM for up to {self.bf16_rows} rows)"
+            own = "AMX GEMM" if self.amx else "bf16 GEMM"
+            kernel += f" (llmserve's {own} for up to {self.bf16_rows} rows)"
         return f"in_features={self.in_features}, out_features={self.out_features}, packed={kernel}"
 
 

@@ -19,6 +19,9 @@
     gemm_bf16.cpp         linear_bf16_pack, linear_bf16: the same for bf16 with vdpbf16ps
                           or fp32 FMAs on widened values (``widen``), AVX512_BF16 only
                           (``has_bf16_gemm``)
+    gemm_amx.cpp          linear_bf16_amx: the bf16 linear by AMX tiles on linear_bf16_pack's
+                          weight (Intel Sapphire Rapids and later: ``has_amx_gemm``), or its
+                          tile instructions emulated in C++ (``emulate``, any host: tests)
     threads.cpp           bind_threads: the calling thread and torch's OpenMP workers pinned
                           one per CPU (llmserve/runner/cpu_threads.py decides which)
 
@@ -66,6 +69,7 @@ LIBRARY = NativeLibrary(
             "fused.cpp",
             "gemm.cpp",
             "gemm_bf16.cpp",
+            "gemm_amx.cpp",
             "threads.cpp",
             "kernels_bindings.cpp",
         )
@@ -356,6 +360,27 @@ def linear_bf16(
     on the values widened in registers instead of by vdpbf16ps (for CPUs where that runs
     slower; the sums in order over k, as the fp32 GEMM's)."""
     return _direct().linear_bf16(x, packed, out_features, bias, widen)
+
+
+@functools.cache
+def has_amx_gemm() -> bool:
+    """Whether ``linear_bf16_amx`` runs here: the kernels built, the CPU has AMX-TILE,
+    AMX-BF16 and AVX512_BF16, and Linux granted this process the tiles' state."""
+    return available() and bool(_direct().amx_ready())
+
+
+def linear_bf16_amx(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    out_features: int,
+    bias: torch.Tensor | None = None,
+    emulate: bool = False,
+) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` for bfloat16 ``x`` [..., in_features] (a multiple of 32) and
+    a weight packed by ``linear_bf16_pack``, by AMX tiles (tdpbf16ps): fp32 sums, rounded to
+    bf16 once. ``emulate``: the same kernel with each tile instruction done in plain C++ (any
+    host; slow: for tests)."""
+    return _direct().linear_bf16_amx(x, packed, out_features, bias, emulate)
 
 
 def bind_threads(cpus: list[int]) -> int:

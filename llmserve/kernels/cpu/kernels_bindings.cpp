@@ -7,6 +7,7 @@ void llmserve_bind_fused(pybind11::module_& m);
 void llmserve_bind_paged_attention(pybind11::module_& m);
 void llmserve_bind_gemm(pybind11::module_& m);
 void llmserve_bind_gemm_bf16(pybind11::module_& m);
+void llmserve_bind_gemm_amx(pybind11::module_& m);
 void llmserve_bind_threads(pybind11::module_& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -14,5 +15,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   llmserve_bind_paged_attention(m);
   llmserve_bind_gemm(m);
   llmserve_bind_gemm_bf16(m);
+  llmserve_bind_gemm_amx(m);
   llmserve_bind_threads(m);
 }
