@@ -1,6 +1,6 @@
 """Helpers for the kernel tests: a paged batch with its pool, a step's new K/V for it, the K
 pool's layouts, ALiBi slopes, tolerances, a thread count for a block, the memory mapping that
-holds an address."""
+holds an address, a bf16 linear's inputs."""
 
 from __future__ import annotations
 
@@ -133,6 +133,15 @@ def cos_sin_cache(max_pos: int, rot_dim: int, base: float = 10000.0) -> torch.Te
     inv_freq = 1.0 / base ** (torch.arange(0, rot_dim, 2).float() / rot_dim)  # [rot_dim // 2]
     freqs = torch.arange(max_pos).float()[:, None] * inv_freq[None, :]  # [max_pos, rot_dim // 2]
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+
+
+def bf16_inputs(m: int, k: int, n: int, with_bias: bool, seed: int):
+    """x [m, k], w [n, k] and (with_bias) b [n] of a bf16 linear, standard normal, seeded."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16() if with_bias else None
+    return x, w, b
 
 
 @contextlib.contextmanager

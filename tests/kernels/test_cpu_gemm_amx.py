@@ -15,7 +15,7 @@ import shutil
 
 import pytest
 import torch
-from kernel_testing import num_threads
+from kernel_testing import bf16_inputs, num_threads
 from torch import nn
 from torch.nn import functional as F
 
@@ -38,14 +38,6 @@ SHAPES = [  # (M, K, N): rows under, at and past a block of 16 and a group of 64
     (65, 64, 50),
     (130, 576, 145),
 ]
-
-
-def bf16_inputs(m: int, k: int, n: int, with_bias: bool, seed: int):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, k, generator=gen).bfloat16()
-    w = torch.randn(n, k, generator=gen).bfloat16()
-    b = torch.randn(n, generator=gen).bfloat16() if with_bias else None
-    return x, w, b
 
 
 def amx(x, w, n, b=None, emulate=True):

@@ -15,7 +15,7 @@ import shutil
 
 import pytest
 import torch
-from kernel_testing import num_threads
+from kernel_testing import bf16_inputs, num_threads
 from torch import nn
 from torch.nn import functional as F
 
@@ -46,14 +46,6 @@ SHAPES = [  # (M, K, N)
     (300, 70, 49),
     (600, 64, 500),  # three row blocks of 256, eleven panels: one parallel region
 ]
-
-
-def bf16_inputs(m: int, k: int, n: int, with_bias: bool, seed: int):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, k, generator=gen).bfloat16()
-    w = torch.randn(n, k, generator=gen).bfloat16()
-    b = torch.randn(n, generator=gen).bfloat16() if with_bias else None
-    return x, w, b
 
 
 @needs_bf16
