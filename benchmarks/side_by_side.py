@@ -67,7 +67,8 @@ def host_info() -> dict:
     machine = machine_info()
     info = {"time_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
             "cpu": machine["cpu"], "cpus": machine["num_cpus"],
-            "flags": [f for f in FLAGS if f in cpu_flags()]}  # fmt: skip
+            "flags": [f for f in FLAGS if f in cpu_flags()],
+            "llmserve_cpu_env": machine.get("llmserve_cpu_env", {})}  # fmt: skip
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True)  # fmt: skip
     info["commit"] = commit.stdout.strip()
@@ -379,6 +380,10 @@ def targets(results: dict) -> list[Row]:
     return rows
 
 
+def env_text(settings: dict | None) -> str:
+    return " ".join(f"{k}={v}" for k, v in (settings or {}).items()) or "none (the defaults)"
+
+
 def summary(results: dict) -> str:
     host = results["host"]
     count = len(rounds_of(results))
@@ -387,6 +392,7 @@ def summary(results: dict) -> str:
         f"{' '.join(host.get('flags', []))}), commit {host['commit']}, {host['time_utc']} UTC, "
         f"{count} round{'s' if count > 1 else ''} (medians; the rounds' own ratios at the end)",
         f"vLLM's LD_PRELOAD: {preload_of(rounds_of(results)[0])}",
+        f"llmserve's LLMSERVE_CPU_* settings: {env_text(host.get('llmserve_cpu_env'))}",
         "",
         "| | llmserve | vLLM-CPU | ratio | target | met | per round |",
         "| --- | ---: | ---: | ---: | --- | --- | --- |",

@@ -63,3 +63,19 @@ def test_the_linear_benchmark_cycles_weights_past_the_last_level_cache():
         assert copies >= fp32_linear.MIN_COPIES
         assert copies * weight_bytes >= 2 * llc
         assert copies == fp32_linear.MIN_COPIES or (copies - 1) * weight_bytes < 2 * llc
+
+
+def test_machine_info_names_the_cpu_settings_a_run_used(monkeypatch):
+    """LLMSERVE_CPU_* variables change what a CPU run measures, so the results record them;
+    no other variable is recorded (an API key among them)."""
+    from llmserve.benchmarks.report import machine_text
+
+    for name in [k for k in os.environ if k.startswith("LLMSERVE_")]:
+        monkeypatch.delenv(name)
+    assert "llmserve_cpu_env" not in machine_info()
+    monkeypatch.setenv("LLMSERVE_CPU_AMX_GEMM", "1")
+    monkeypatch.setenv("LLMSERVE_CPU_ISA", "avx2")
+    monkeypatch.setenv("LLMSERVE_API_KEY", "secret")
+    machine = machine_info()
+    assert machine["llmserve_cpu_env"] == {"LLMSERVE_CPU_AMX_GEMM": "1", "LLMSERVE_CPU_ISA": "avx2"}
+    assert machine_text(machine).endswith("; LLMSERVE_CPU_AMX_GEMM=1 LLMSERVE_CPU_ISA=avx2")

@@ -123,6 +123,19 @@ def test_summary_names_what_vllm_preloaded(sbs, tmp_path, capsys):
     assert "vLLM's LD_PRELOAD: none\n" in (tmp_path / "summary.md").read_text()
 
 
+def test_summary_names_llmserves_cpu_settings(sbs, tmp_path, capsys):
+    data = results(sbs, 151.6, 138.8)
+    (tmp_path / "results.json").write_text(json.dumps(data))
+    sbs.main(["--vllm-python", "x", "--hf-dir", "x", "--out", str(tmp_path), "--summarize"])
+    line = "llmserve's LLMSERVE_CPU_* settings: none (the defaults)\n"
+    assert line in (tmp_path / "summary.md").read_text()
+    data["host"]["llmserve_cpu_env"] = {"LLMSERVE_CPU_AMX_GEMM": "1"}
+    (tmp_path / "results.json").write_text(json.dumps(data))
+    sbs.main(["--vllm-python", "x", "--hf-dir", "x", "--out", str(tmp_path), "--summarize"])
+    line = "llmserve's LLMSERVE_CPU_* settings: LLMSERVE_CPU_AMX_GEMM=1\n"
+    assert line in (tmp_path / "summary.md").read_text()
+
+
 def test_long_prompt_run_is_reported_without_a_verdict(sbs, tmp_path, capsys):
     data = results(sbs, 151.6, 138.8)
     data["llmserve_server"]["vclient-long"] = {**serve(31.4, 303.1), "num_prompts": 16}

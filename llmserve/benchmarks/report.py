@@ -51,7 +51,16 @@ def machine_info() -> dict[str, Any]:
     }
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
+    settings = cpu_settings()
+    if settings:
+        info["llmserve_cpu_env"] = settings
     return info
+
+
+def cpu_settings() -> dict[str, str]:
+    """The ``LLMSERVE_CPU_*`` variables set (kernel path, thread pinning, the AMX GEMM): they
+    change what a CPU run measures."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("LLMSERVE_CPU_")}
 
 
 def json_safe(value: Any) -> Any:
@@ -67,7 +76,11 @@ def json_safe(value: Any) -> Any:
 
 def machine_text(machine: dict[str, Any]) -> str:
     where = machine.get("gpu") or f"{machine.get('cpu')} CPU, {machine.get('num_cpus')} cores"
-    return f"{where}; torch {machine.get('torch')}, Python {machine.get('python')}, {machine.get('platform')}"
+    text = f"{where}; torch {machine.get('torch')}, Python {machine.get('python')}, {machine.get('platform')}"
+    settings = machine.get("llmserve_cpu_env") or {}
+    if settings:
+        text += "; " + " ".join(f"{k}={v}" for k, v in settings.items())
+    return text
 
 
 def _cpu_name() -> str:
