@@ -79,7 +79,10 @@ BAD_REQUESTS = [
     (_COMPLETION, {"prompt": []}, "prompt"),
     (_COMPLETION, {"prompt": [1, "a"]}, "prompt"),
     (_COMPLETION, {"prompt": [10**9]}, None),
-    (_COMPLETION, {"prompt": ""}, None),
+    (_COMPLETION, {"prompt": ""}, "prompt"),
+    (_COMPLETION, {"prompt": ["hi", ""]}, "prompt"),
+    (_COMPLETION, {"prompt": "hi", "best_of": 2}, "best_of"),
+    (_COMPLETION, {"prompt": "hi", "best_of": 0}, "best_of"),
     (_COMPLETION, {}, "prompt"),
     (_COMPLETION, {"prompt": 5}, "prompt"),
     (_COMPLETION, {"prompt": "\ud800"}, "prompt"),
@@ -100,6 +103,16 @@ BAD_REQUESTS = [
 @pytest.mark.parametrize(("path", "body", "param"), BAD_REQUESTS)
 def test_invalid_parameters_are_400(server, path, body, param):
     assert_error(post(server, path, body), 400, param)
+
+
+def test_messages_say_what_is_allowed(server):
+    """The empty prompt and best_of get their own messages, not a generic one."""
+    error = assert_error(post(server, _COMPLETION, {"prompt": ""}), 400, "prompt")
+    assert "prompt is empty" in error["message"]
+    error = assert_error(post(server, _COMPLETION, {"prompt": "hi", "best_of": 3}), 400)
+    assert "best_of > 1 is not supported" in error["message"]
+    ok = post(server, _COMPLETION, {"prompt": "hi", "best_of": 1, "max_tokens": 2})
+    assert ok.status_code == 200 and len(ok.json()["choices"]) == 1
 
 
 @pytest.mark.parametrize("body", ['{"prompt": "hi",', "[1, 2]", "null", "not json", ""])

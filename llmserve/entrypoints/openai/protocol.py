@@ -54,6 +54,25 @@ def Int(**bounds: Any) -> Any:  # noqa: N802 - a type
 TokenId = Int(ge=0, json_schema_extra={"x-token-id": True})
 # A token budget (generation also stops at the end of the context, so no upper bound).
 MaxTokens = Int(ge=1)
+
+
+def _best_of_one(value: int) -> int:
+    if value > 1:
+        raise ValueError(
+            "best_of > 1 is not supported (nor by vLLM's V1 engine): leave it out or set 1, or "
+            "ask for n completions with logprobs and rank them"
+        )
+    return value
+
+
+# OpenAI's legacy best_of (candidates ranked on the server): only 1, its default, is run here;
+# refused above it rather than ignored, so nobody is served n plain samples as the best of more
+BestOf = Annotated[
+    int,
+    Field(ge=1, json_schema_extra={"maximum": 1}),
+    BeforeValidator(_integral),
+    AfterValidator(_best_of_one),
+]
 # logit_bias keys: token ids written as strings (the schema's pattern is filled in likewise)
 TokenIdKey = Annotated[str, Field(json_schema_extra={"x-token-id-key": True})]
 
@@ -170,6 +189,7 @@ class CompletionRequest(SamplingFields):
     max_tokens: MaxTokens | None = 16
     logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = None
     echo: bool = False
+    best_of: BestOf | None = None
     use_beam_search: bool = False  # vLLM's extra fields: beam search in the engine
     beam_width: Int(ge=1, le=MAX_N) | None = None  # beams (default: n), all returned
     length_penalty: float = 1.0
@@ -200,6 +220,8 @@ class CompletionRequest(SamplingFields):
             for text in value if isinstance(value, list) else [value]:
                 if isinstance(text, str):
                     _check_utf8(text)  # the precise complaint, when that is the problem
+            if value == "" or (isinstance(value, list) and ("" in value or [] in value)):
+                raise ValueError("prompt is empty: give at least one character or token") from None
             raise ValueError(
                 "prompt must be a string, a list of strings, a list of token ids "
                 "or a list of token id lists"
