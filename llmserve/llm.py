@@ -82,14 +82,27 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation, then generate."""
+        """Apply the model's chat template to each conversation, then generate.
+        ``continue_final_message`` (with ``add_generation_prompt=False``): the last message is
+        left open and the output continues it (an assistant's reply begun by the caller)."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError(
+                "continue_final_message and add_generation_prompt cannot both be true: pass "
+                "add_generation_prompt=False to continue the last message"
+            )
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.llm_engine.tokenizer
+        extra = {"continue_final_message": True} if continue_final_message else {}
         prompts = [
             {
                 "prompt_token_ids": tokenizer.apply_chat_template(
-                    c, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+                    c,
+                    add_generation_prompt=add_generation_prompt,
+                    tokenize=True,
+                    return_dict=False,
+                    **extra,
                 )
             }
             for c in conversations

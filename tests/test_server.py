@@ -159,6 +159,37 @@ def test_chat(client, model, offline_llm):
     assert response.usage.completion_tokens <= MAX_TOKENS
 
 
+def test_chat_continues_the_final_message(server, client, model, offline_llm):
+    """continue_final_message leaves the last (assistant) message open: its tokens end the
+    prompt, no end-of-turn after them, and the reply carries it on, as offline."""
+    from llmserve import SamplingParams
+
+    begun = [*MESSAGES, {"role": "assistant", "content": "2 + 2 ="}]
+
+    def tokens(**flags):
+        body = {"messages": begun, "add_generation_prompt": False, **flags}
+        return httpx.post(server.url + "/tokenize", json=body, timeout=10).json()["tokens"]
+
+    closed, open_ = tokens(), tokens(continue_final_message=True)
+    assert len(open_) < len(closed) and closed[: len(open_)] == open_  # the end-of-turn cut
+    text = httpx.post(server.url + "/detokenize", json={"tokens": open_}, timeout=10).json()
+    assert text["prompt"].endswith("2 + 2 =")
+    flags = {"add_generation_prompt": False, "continue_final_message": True}
+    response = chat(client, model, messages=begun, extra_body=flags)
+    assert response.usage.prompt_tokens == len(open_)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    offline = offline_llm.chat(begun, params, use_tqdm=False, **flags)[0]
+    assert offline.prompt_token_ids == open_
+    assert response.choices[0].message.content == offline.outputs[0].text
+    both = {"messages": begun, "continue_final_message": True}  # add_generation_prompt: true
+    for path in ("/v1/chat/completions", "/tokenize"):
+        refused = httpx.post(server.url + path, json=both, timeout=10)
+        assert refused.status_code == 400
+        assert refused.json()["error"]["param"] == "continue_final_message"
+    with pytest.raises(ValueError, match="cannot both be true"):
+        offline_llm.chat(begun, params, continue_final_message=True)
+
+
 def test_streamed_chat_equals_non_streamed(client, model):
     expected = chat(client, model, max_completion_tokens=12).choices[0]
     chunks = list(chat(client, model, max_completion_tokens=12, stream=True))

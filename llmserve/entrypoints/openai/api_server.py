@@ -246,7 +246,11 @@ async def tokenize(request: TokenizeRequest, raw: Request) -> TokenizeResponse:
     state = _state(raw)
     state.chat.check_model(request.model)
     if request.messages is not None:
-        tokens = state.chat.apply_chat_template(request.messages, request.add_generation_prompt)
+        tokens = state.chat.apply_chat_template(
+            request.messages,
+            request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
+        )
     elif request.prompt is not None:
         tokens = state.chat.tokenizer.encode(
             request.prompt, add_special_tokens=request.add_special_tokens

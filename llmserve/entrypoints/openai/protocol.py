@@ -83,6 +83,20 @@ class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
 
+# continue_final_message (vLLM's extra field: the last message stays open and the reply
+# continues it, an assistant's prefill) asks for no new turn: add_generation_prompt false too
+CONTINUATION_RULE = {
+    "if": {
+        "properties": {"continue_final_message": {"const": True}},
+        "required": ["continue_final_message"],
+    },
+    "then": {
+        "properties": {"add_generation_prompt": {"const": False}},
+        "required": ["add_generation_prompt"],
+    },
+}
+
+
 # ---- errors ---------------------------------------------------------------------------------
 class ErrorInfo(OpenAIModel):
     message: str
@@ -297,11 +311,12 @@ class TokenizeRequest(OpenAIModel):
 
     model: str | None = None
     model_config = ConfigDict(
-        json_schema_extra={  # one of the two is needed
-            "anyOf": [
+        json_schema_extra={
+            "anyOf": [  # one of the two is needed
                 {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
                 {"required": ["messages"], "properties": {"messages": {"type": "array"}}},
-            ]
+            ],
+            "allOf": [CONTINUATION_RULE],
         }
     )
 
@@ -309,6 +324,7 @@ class TokenizeRequest(OpenAIModel):
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 class TokenizeResponse(OpenAIModel):

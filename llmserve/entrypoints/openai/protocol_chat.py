@@ -10,6 +10,7 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field, model_serializer
 
 from llmserve.entrypoints.openai.protocol import (
+    CONTINUATION_RULE,
     MAX_LOGPROBS,
     ChatMessage,
     Int,
@@ -49,6 +50,7 @@ class ChatCompletionRequest(SamplingFields):
     model_config = ConfigDict(
         json_schema_extra={
             "allOf": [
+                CONTINUATION_RULE,
                 {  # top_logprobs needs logprobs: true
                     "if": {
                         "properties": {"top_logprobs": {"type": "integer"}},
@@ -78,6 +80,7 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's extra: the reply continues the last message
     response_format: ResponseFormat | None = None
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None

@@ -45,7 +45,9 @@ class OpenAIServingChat(ServingBase):
         how = tool_calls.mode(request)
         tool_calls.check_tools(request)
         messages, tools = tool_calls.conversation(request, self.template_has_tools, how)
-        prompt_ids = self.apply_chat_template(messages, request.add_generation_prompt, tools)
+        prompt_ids = self.apply_chat_template(
+            messages, request.add_generation_prompt, tools, request.continue_final_message
+        )
         params = chat_params(request, self.vocab_size, tool_calls.call_schema(request, how))
         request_id = random_id("chatcmpl")
         prompt = {"prompt_token_ids": prompt_ids}
@@ -79,13 +81,23 @@ class OpenAIServingChat(ServingBase):
         messages: list[ChatMessage] | list[dict],
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
+        continue_final_message: bool = False,
     ) -> list[int]:
-        """Token ids of the templated conversation; a template error is a 400."""
+        """Token ids of the templated conversation (``continue_final_message``: the last
+        message left open, for the reply to continue it); a template error is a 400."""
+        if continue_final_message and add_generation_prompt:
+            raise OpenAIError(
+                "continue_final_message and add_generation_prompt cannot both be true: set "
+                "add_generation_prompt to false to continue the last message",
+                param="continue_final_message",
+            )
         conversation = [
             m if isinstance(m, dict) else tool_calls.message_dict(m, self.template_has_tools)
             for m in messages
         ]
-        extra = {"tools": tools} if tools else {}
+        extra: dict = {"tools": tools} if tools else {}
+        if continue_final_message:
+            extra["continue_final_message"] = True
         try:
             return list(
                 self.tokenizer.apply_chat_template(
