@@ -83,6 +83,8 @@ BAD_REQUESTS = [
     (_COMPLETION, {"prompt": ["hi", ""]}, "prompt"),
     (_COMPLETION, {"prompt": "hi", "best_of": 2}, "best_of"),
     (_COMPLETION, {"prompt": "hi", "best_of": 0}, "best_of"),
+    (_COMPLETION, {"prompt": "hi", "suffix": "after"}, "suffix"),
+    (_COMPLETION, {"prompt": "hi", "prompt_logprobs": 1}, "prompt_logprobs"),
     (_COMPLETION, {}, "prompt"),
     (_COMPLETION, {"prompt": 5}, "prompt"),
     (_COMPLETION, {"prompt": "\ud800"}, "prompt"),
@@ -106,12 +108,17 @@ def test_invalid_parameters_are_400(server, path, body, param):
 
 
 def test_messages_say_what_is_allowed(server):
-    """The empty prompt and best_of get their own messages, not a generic one."""
+    """The empty prompt, best_of, suffix and prompt_logprobs get their own messages."""
     error = assert_error(post(server, _COMPLETION, {"prompt": ""}), 400, "prompt")
     assert "prompt is empty" in error["message"]
     error = assert_error(post(server, _COMPLETION, {"prompt": "hi", "best_of": 3}), 400)
     assert "best_of > 1 is not supported" in error["message"]
-    ok = post(server, _COMPLETION, {"prompt": "hi", "best_of": 1, "max_tokens": 2})
+    error = assert_error(post(server, _COMPLETION, {"prompt": "hi", "suffix": "x"}), 400)
+    assert "suffix" in error["message"] and "not supported" in error["message"]
+    error = assert_error(post(server, _COMPLETION, {"prompt": "hi", "prompt_logprobs": 0}), 400)
+    assert "echo: true with logprobs" in error["message"]
+    unset = {"best_of": 1, "suffix": "", "prompt_logprobs": None}  # the defaults still pass
+    ok = post(server, _COMPLETION, {"prompt": "hi", "max_tokens": 2, **unset})
     assert ok.status_code == 200 and len(ok.json()["choices"]) == 1
 
 

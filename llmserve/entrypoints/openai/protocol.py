@@ -65,6 +65,19 @@ def _best_of_one(value: int) -> int:
     return value
 
 
+def _no_suffix(value: str) -> str:
+    if value:
+        raise ValueError("suffix (text after the insertion) is not supported, as in vLLM")
+    return value
+
+
+def _no_prompt_logprobs(value: int) -> int:
+    raise ValueError(
+        "prompt_logprobs is not supported: ask for echo: true with logprobs, which returns the "
+        "prompt's tokens with their log-probabilities"
+    )
+
+
 # OpenAI's legacy best_of (candidates ranked on the server): only 1, its default, is run here;
 # refused above it rather than ignored, so nobody is served n plain samples as the best of more
 BestOf = Annotated[
@@ -204,6 +217,14 @@ class CompletionRequest(SamplingFields):
     logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = None
     echo: bool = False
     best_of: BestOf | None = None
+    # known fields that are not run here: refused when set, rather than ignored
+    suffix: (
+        Annotated[str, Field(json_schema_extra={"maxLength": 0}), AfterValidator(_no_suffix)] | None
+    ) = None
+    prompt_logprobs: (
+        Annotated[int, Field(json_schema_extra={"not": {}}), AfterValidator(_no_prompt_logprobs)]
+        | None
+    ) = None
     use_beam_search: bool = False  # vLLM's extra fields: beam search in the engine
     beam_width: Int(ge=1, le=MAX_N) | None = None  # beams (default: n), all returned
     length_penalty: float = 1.0
