@@ -83,10 +83,12 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        chat_template: str | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation, then generate.
-        ``continue_final_message`` (with ``add_generation_prompt=False``): the last message is
-        left open and the output continues it (an assistant's reply begun by the caller)."""
+        """Apply the model's chat template (or ``chat_template``, a Jinja template) to each
+        conversation, then generate. ``continue_final_message`` (with
+        ``add_generation_prompt=False``): the last message is left open and the output
+        continues it (an assistant's reply begun by the caller)."""
         if continue_final_message and add_generation_prompt:
             raise ValueError(
                 "continue_final_message and add_generation_prompt cannot both be true: pass "
@@ -94,7 +96,9 @@ class LLM:
             )
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.llm_engine.tokenizer
-        extra = {"continue_final_message": True} if continue_final_message else {}
+        extra: dict = {"continue_final_message": True} if continue_final_message else {}
+        if chat_template is not None:
+            extra["chat_template"] = chat_template
         prompts = [
             {
                 "prompt_token_ids": tokenizer.apply_chat_template(

@@ -122,6 +122,25 @@ def test_chat_uses_template(llm):
     assert out.outputs[0].finish_reason == "stop"  # <|im_end|> ends the answer
 
 
+def test_chat_takes_a_template_and_continues_the_final_message(llm):
+    """chat_template replaces the model's; continue_final_message leaves the last message open
+    (no end-of-turn after it), with add_generation_prompt false."""
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    messages = [{"role": "user", "content": "Count"}, {"role": "assistant", "content": "1, 2,"}]
+    params = SamplingParams(temperature=0, max_tokens=2)
+    tokenizer = llm.get_tokenizer()
+    out = llm.chat(messages, params, use_tqdm=False, chat_template=template)[0]
+    assert tokenizer.decode(out.prompt_token_ids) == "[user] Count\n[assistant] 1, 2,\n"
+    kept_open = llm.chat(
+        messages,
+        params,
+        use_tqdm=False,
+        add_generation_prompt=False,
+        continue_final_message=True,
+    )[0]
+    assert tokenizer.decode(kept_open.prompt_token_ids).endswith("<|im_start|>assistant\n1, 2,")
+
+
 def test_streamed_text_handles_multibyte_characters(llm):
     out = _greedy(
         llm, "Translate to Korean and add emoji: I love you", max_tokens=40, min_tokens=40

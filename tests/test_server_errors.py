@@ -26,9 +26,20 @@ CHAT = [{"role": "user", "content": "hi"}]
 LONG = {"prompt": "Once upon a time", "max_tokens": 900, "ignore_eos": True, "temperature": 0}
 
 
+# --chat-template's file: turns as ChatML, each role in capitals (the model's own template
+# writes it as given), so a templated prompt shows which template made it
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] | upper }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>ASSISTANT\n{% endif %}"
+)
+
+
 @pytest.fixture(scope="module")
-def server():
+def server(tmp_path_factory):
+    template = tmp_path_factory.mktemp("template") / "chat.jinja"
+    template.write_text(TEMPLATE)
     args = ["--api-key", KEY, "--served-model-name", MODEL, "--max-num-seqs", "1"]
+    args += ["--chat-template", str(template)]
     server = ServerProcess(*SMALL_SERVER_ARGS, *args, "--max-num-waiting", "2")
     yield server
     server.close()
@@ -105,6 +116,29 @@ BAD_REQUESTS = [
 @pytest.mark.parametrize(("path", "body", "param"), BAD_REQUESTS)
 def test_invalid_parameters_are_400(server, path, body, param):
     assert_error(post(server, path, body), 400, param)
+
+
+def test_chat_template_flag_replaces_the_models_template(server):
+    """Chat requests and /tokenize render through --chat-template's file."""
+    tokens = post(server, "/tokenize", {"messages": CHAT}).json()["tokens"]
+    text = post(server, "/detokenize", {"tokens": tokens}).json()["prompt"]
+    assert text == "<|im_start|>USER\nhi<|im_end|>\n<|im_start|>ASSISTANT\n"
+    reply = post(server, _CHAT, {"messages": CHAT, "max_tokens": 2})
+    assert reply.status_code == 200 and reply.json()["usage"]["prompt_tokens"] == len(tokens)
+
+
+def test_chat_template_values_are_checked_at_start_up(tmp_path):
+    from llmserve.entrypoints.openai.launcher import read_chat_template, use_chat_template
+    from llmserve.tokenizer import get_tokenizer
+
+    assert read_chat_template("{{ messages[0]['content'] }}") == "{{ messages[0]['content'] }}"
+    with pytest.raises(ValueError, match="no such file"):
+        read_chat_template(str(tmp_path / "missing.jinja"))
+    tokenizer = get_tokenizer()
+    with pytest.raises(ValueError, match="cannot render a conversation"):
+        use_chat_template(tokenizer, "{% for m in messages %}{{ m.content }")  # unclosed
+    use_chat_template(tokenizer, TEMPLATE)
+    assert tokenizer.chat_template == TEMPLATE
 
 
 def test_messages_say_what_is_allowed(server):

@@ -59,6 +59,12 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         "engine/core_process.py); default: the engine in a thread of this process",
     )
     server.add_argument(
+        "--chat-template",
+        default=None,
+        help="the chat template for chat requests instead of the model's own: a Jinja file, "
+        "or the template itself (vLLM's flag)",
+    )
+    server.add_argument(
         "--uvicorn-log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
@@ -85,6 +91,7 @@ def run_server(args: argparse.Namespace) -> int:
         kwargs["model"] = args.model_tag
     if args.max_num_waiting < 1:
         raise ValueError(f"--max-num-waiting must be >= 1, got {args.max_num_waiting}")
+    chat_template = read_chat_template(args.chat_template) if args.chat_template else None
     config = EngineConfig.from_kwargs(**kwargs)
     if config.parallel.data_parallel_size > 1:  # N replicas on Ray (llmserve/distributed/)
         from llmserve.distributed.data_parallel import DataParallelEngine
@@ -99,6 +106,8 @@ def run_server(args: argparse.Namespace) -> int:
     else:
         async_engine = AsyncLLMEngine.build(lambda: LLMEngine(config), args.max_num_waiting)
         engine = async_engine.engine
+    if chat_template is not None:
+        use_chat_template(engine.tokenizer, chat_template)
     app = build_app(async_engine, api_key=args.api_key)
     config = uvicorn.Config(
         app,
@@ -121,6 +130,32 @@ def run_server(args: argparse.Namespace) -> int:
     server.run()
     logger.info("server stopped")
     return 0 if server.started else 1
+
+
+def read_chat_template(value: str) -> str:
+    """--chat-template's value: a file's text, or the template given inline (it has a Jinja
+    tag); a path that names no file is an error."""
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(
+        f"--chat-template {value!r}: no such file, and not a Jinja template itself (no {{{{ or "
+        "{%); give a template file or the template text"
+    )
+
+
+def use_chat_template(tokenizer: Any, template: str) -> None:
+    """Make ``template`` the tokenizer's chat template, once it renders a one-message
+    conversation (a broken template stops the start-up, not each chat request)."""
+    try:
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": "hi"}], chat_template=template, tokenize=False
+        )
+    except Exception as e:
+        raise ValueError(f"--chat-template cannot render a conversation: {e}") from e
+    tokenizer.chat_template = template
 
 
 class GracefulServer(uvicorn.Server):
