@@ -38,6 +38,7 @@ class SamplingParams:
         repetition_penalty: divides positive / multiplies negative logits of tokens seen in
             prompt or output (CTRL / Hugging Face); 1.0 disables.
         logit_bias: token id -> bias added to its logit.
+        allowed_token_ids: only these tokens may be generated (every other logit masked).
         max_tokens: maximum number of generated tokens; None means up to max_model_len.
         min_tokens: EOS and stop_token_ids are masked until this many tokens exist.
         stop: strings that end generation; they are not part of the returned text.
@@ -47,6 +48,8 @@ class SamplingParams:
         logprobs: number of top logprobs returned per generated token (the sampled one too).
         prompt_logprobs: number of top logprobs returned per prompt token.
         skip_special_tokens: leave special tokens out of the detokenized text.
+        truncate_prompt_tokens: keep only the prompt's last k tokens (-1: the last
+            max_model_len), as vLLM's; None keeps it whole.
         structured_outputs: constrain the output to a JSON schema, regex, choice list or
             grammar (``StructuredOutputsParams``, or a dict with its fields).
         use_beam_search: beam search with ``n`` beams instead of sampling (greedy scores;
@@ -67,6 +70,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
     max_tokens: int | None = 16
     min_tokens: int = 0
     stop: str | list[str] | None = None
@@ -76,6 +80,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
     use_beam_search: bool = False
     length_penalty: float = 1.0
@@ -89,6 +94,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.logit_bias:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
@@ -105,6 +112,8 @@ class SamplingParams:
                     ("structured_outputs", self.structured_outputs is not None),
                     ("logprobs", self.logprobs is not None),
                     ("min_tokens", self.min_tokens > 0),
+                    ("logit_bias", bool(self.logit_bias)),
+                    ("allowed_token_ids", self.allowed_token_ids is not None),
                 )
                 if on
             ]
@@ -162,6 +171,22 @@ class SamplingParams:
         )
         _check(
             all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "non-empty strings"
+        )
+        if self.allowed_token_ids is not None:
+            _check(
+                bool(self.allowed_token_ids)
+                and all(isinstance(t, int) and t >= 0 for t in self.allowed_token_ids),
+                "allowed_token_ids",
+                self.allowed_token_ids,
+                "a non-empty list of token ids (integers >= 0)",
+            )
+        _check(
+            self.truncate_prompt_tokens is None
+            or self.truncate_prompt_tokens == -1
+            or self.truncate_prompt_tokens >= 1,
+            "truncate_prompt_tokens",
+            self.truncate_prompt_tokens,
+            "an integer >= 1, or -1 (the last max_model_len tokens)",
         )
         for bias in (self.logit_bias or {}).values():
             _check(-100.0 <= bias <= 100.0, "logit_bias", bias, "values in [-100, 100]")

@@ -141,6 +141,34 @@ def test_chat_takes_a_template_and_continues_the_final_message(llm):
     assert tokenizer.decode(kept_open.prompt_token_ids).endswith("<|im_start|>assistant\n1, 2,")
 
 
+def test_allowed_token_ids_and_truncated_prompts(llm):
+    """allowed_token_ids: every token drawn from the set (greedy: the best of it, as the
+    logits masked by hand pick); truncate_prompt_tokens: the prompt's last k tokens only, its
+    output the same as for those tokens given alone."""
+    tokenizer = llm.get_tokenizer()
+    allowed = tokenizer.encode(" yes no maybe")
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(
+            temperature=temperature, max_tokens=6, allowed_token_ids=allowed, ignore_eos=True
+        )
+        out = llm.generate(["Is the sky blue?"], params, use_tqdm=False)[0].outputs[0]
+        assert len(out.token_ids) == 6 and set(out.token_ids) <= set(allowed)
+    ids = tokenizer.encode(SQL)
+    cut = llm.generate(
+        [SQL], SamplingParams(temperature=0, max_tokens=5, truncate_prompt_tokens=7), use_tqdm=False
+    )[0]
+    assert cut.prompt_token_ids == ids[-7:] and cut.prompt is None
+    alone = _greedy(llm, {"prompt_token_ids": ids[-7:]}, max_tokens=5)
+    assert cut.outputs[0].token_ids == alone.token_ids
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate(["hi"], SamplingParams(allowed_token_ids=[10**7]), use_tqdm=False)
+    for bad in ({"allowed_token_ids": []}, {"truncate_prompt_tokens": 0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SamplingParams(**bad)
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(use_beam_search=True, temperature=0, logit_bias={5: 1.0})
+
+
 def test_streamed_text_handles_multibyte_characters(llm):
     out = _greedy(
         llm, "Translate to Korean and add emoji: I love you", max_tokens=40, min_tokens=40

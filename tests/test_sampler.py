@@ -370,6 +370,28 @@ def test_logit_bias_forces_a_token():
     assert out.sampled_token_ids[3] == int(logits[3].topk(2).indices[1])
 
 
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_allowed_token_ids_limit_each_row_to_its_set(kernels):
+    """Greedy rows take the best allowed token, random rows draw only allowed ones, in the
+    allowed tokens' own proportions; rows without a set are untouched."""
+    needs_cpp(kernels)
+    logits = torch.randn(300)  # [vocab]
+    allowed = [7, 8, 250]
+    best = max(allowed, key=lambda t: float(logits[t]))
+    rows = [
+        make_row(SamplingParams(temperature=0.0, allowed_token_ids=allowed)),
+        make_row(SamplingParams(temperature=0.0)),
+        *[make_row(SamplingParams(temperature=1.0, allowed_token_ids=allowed))] * 3000,
+    ]
+    out = Sampler(kernels)(logits.expand(len(rows), -1), rows).sampled_token_ids
+    assert out[0] == best and out[1] == int(logits.argmax())
+    drawn = torch.tensor(out[2:])
+    assert set(drawn.tolist()) <= set(allowed)
+    want = torch.softmax(logits[allowed], dim=0)
+    got = torch.stack([(drawn == t).float().mean() for t in allowed])
+    torch.testing.assert_close(got, want, atol=0.04, rtol=0)
+
+
 def test_min_tokens_masks_eos_and_stop_ids():
     logits = torch.tensor([[0.0, 10.0, 9.0, 8.0, 1.0]])  # eos 1, then stop id 2, then 3
     params = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[2], ignore_eos=True)

@@ -190,6 +190,25 @@ def test_chat_continues_the_final_message(server, client, model, offline_llm):
         offline_llm.chat(begun, params, continue_final_message=True)
 
 
+def test_allowed_token_ids_and_truncate_prompt_tokens(server, client, model):
+    """vLLM's extra fields: tokens from the allowed set only; the prompt cut to its last k."""
+
+    def token_id(text: str) -> int:
+        body = {"prompt": text, "add_special_tokens": False}
+        (token,) = httpx.post(server.url + "/tokenize", json=body, timeout=10).json()["tokens"]
+        return token
+
+    allowed = [token_id(" yes"), token_id(" no")]
+    body = {"allowed_token_ids": allowed, "ignore_eos": True}
+    response = complete(client, model, temperature=1.0, seed=3, extra_body=body)
+    assert re.fullmatch("( yes| no)+", response.choices[0].text)
+    assert response.usage.completion_tokens == MAX_TOKENS
+    cut = complete(client, model, extra_body={"truncate_prompt_tokens": 2})
+    assert cut.usage.prompt_tokens == 2
+    reply = chat(client, model, extra_body={"truncate_prompt_tokens": 3})
+    assert reply.usage.prompt_tokens == 3
+
+
 def test_streamed_chat_equals_non_streamed(client, model):
     expected = chat(client, model, max_completion_tokens=12).choices[0]
     chunks = list(chat(client, model, max_completion_tokens=12, stream=True))

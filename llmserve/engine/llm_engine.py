@@ -120,6 +120,11 @@ class LLMEngine:
         """Validate and queue a request; raises ValueError when it can never run."""
         params = params or SamplingParams()
         text, prompt_ids = self.tokenize(prompt)
+        keep = params.truncate_prompt_tokens
+        if keep is not None:  # the prompt's last tokens (its text no longer matches them)
+            keep = self.max_model_len if keep == -1 else keep
+            if len(prompt_ids) > keep:
+                text, prompt_ids = None, prompt_ids[-keep:]
         params = self._admit(prompt_ids, params)
         grammar = None
         if params.structured_outputs is not None:  # compiled (and checked) once per constraint
@@ -153,6 +158,9 @@ class LLMEngine:
         bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        bad = [t for t in params.allowed_token_ids or [] if t >= vocab]
+        if bad:
+            raise ValueError(f"allowed_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         max_seqs = self.scheduler.config.max_num_seqs
         if params.n > max_seqs:
             what = "beam width" if params.use_beam_search else "n"

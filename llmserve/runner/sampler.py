@@ -4,7 +4,7 @@ Per row, in this order (a stage is skipped outright when no row in the batch nee
 
     raw logits ─────────────────────────────────> logprobs (log_softmax of the raw logits)
         │
-    logit_bias -> min_tokens mask -> repetition penalty -> presence / frequency penalties
+    allowed_token_ids -> logit_bias -> min_tokens mask -> repetition / presence / frequency
         │
         ├── greedy rows (temperature 0): argmax
         └── random rows: / temperature -> top_k -> top_p -> min_p -> softmax -> draw
@@ -100,10 +100,12 @@ class Sampler:
 
 
 def _adjusts_logits(row: SamplingRow) -> bool:
-    """Whether logit_bias, the min_tokens mask or a penalty may change this row's logits."""
+    """Whether allowed_token_ids, logit_bias, the min_tokens mask or a penalty may change this
+    row's logits."""
     params = row.params
     return (
-        bool(params.logit_bias)
+        params.allowed_token_ids is not None
+        or bool(params.logit_bias)
         or len(row.output_token_ids) < params.min_tokens
         or params.needs_output_penalties
     )
@@ -116,6 +118,7 @@ def penalized_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
     if not any(_adjusts_logits(row) for row in rows):
         return logits
     logits = logits.float()  # may alias the caller's tensor: every stage is out of place
+    logits = apply_allowed_tokens(logits, rows)
     logits = apply_logit_bias(logits, rows)
     logits = apply_min_tokens(logits, rows)
     return _apply_row_penalties(logits, rows)
@@ -152,6 +155,19 @@ class SamplingTensors:
 
 def _tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
+def apply_allowed_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """-inf for every token outside a row's ``allowed_token_ids`` (rows without keep theirs)."""
+    limited = [(i, row.params.allowed_token_ids) for i, row in enumerate(rows)]
+    limited = [(i, ids) for i, ids in limited if ids is not None]
+    if not limited:
+        return logits
+    mask = torch.zeros(len(rows), logits.shape[-1], dtype=torch.bool)
+    for i, ids in limited:
+        mask[i] = True
+        mask[i, ids] = False
+    return logits.masked_fill(mask.to(logits.device, non_blocking=True), -math.inf)
 
 
 def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

@@ -86,6 +86,21 @@ BestOf = Annotated[
     BeforeValidator(_integral),
     AfterValidator(_best_of_one),
 ]
+
+
+def _not_zero(value: int) -> int:
+    if value == 0:
+        raise ValueError("truncate_prompt_tokens must be >= 1, or -1 (the last max_model_len)")
+    return value
+
+
+# truncate_prompt_tokens: keep the prompt's last k tokens, k >= 1, or -1 for max_model_len
+TruncatePrompt = Annotated[
+    int,
+    Field(ge=-1, json_schema_extra={"not": {"const": 0}}),
+    BeforeValidator(_integral),
+    AfterValidator(_not_zero),
+]
 # logit_bias keys: token ids written as strings (the schema's pattern is filled in likewise)
 TokenIdKey = Annotated[str, Field(json_schema_extra={"x-token-id-key": True})]
 
@@ -192,6 +207,8 @@ class SamplingFields(OpenAIModel):
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     repetition_penalty: float = Field(1.0, gt=0)
     logit_bias: dict[TokenIdKey, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None  # vLLM's
+    truncate_prompt_tokens: TruncatePrompt | None = None  # vLLM's: the prompt's last k tokens
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
@@ -241,6 +258,8 @@ class CompletionRequest(SamplingFields):
                     "logprobs": {"type": "null"},
                     "min_tokens": {"const": 0},
                     "structured_outputs": {"type": "null"},
+                    "logit_bias": {"anyOf": [{"type": "null"}, {"maxProperties": 0}]},
+                    "allowed_token_ids": {"type": "null"},
                 }
             },
         }

@@ -92,6 +92,7 @@ def build_params(
         structured = request.structured_outputs.model_dump(by_alias=True, exclude_none=True)
     logit_bias = _logit_bias(request.logit_bias, vocab_size)
     _check_token_ids(request.stop_token_ids or [], vocab_size, "stop_token_ids")
+    _check_token_ids(request.allowed_token_ids or [], vocab_size, "allowed_token_ids")
     knobs: dict[str, Any] = {
         name: getattr(request, name)
         for name in _OPTIONAL_KNOBS
@@ -105,6 +106,8 @@ def build_params(
             frequency_penalty=request.frequency_penalty,
             repetition_penalty=request.repetition_penalty,
             logit_bias=logit_bias,
+            allowed_token_ids=request.allowed_token_ids,
+            truncate_prompt_tokens=request.truncate_prompt_tokens,
             max_tokens=max_tokens,
             # more than max_tokens cannot be generated: min_tokens then means "no EOS at all"
             min_tokens=min(request.min_tokens, max_tokens or request.min_tokens),
