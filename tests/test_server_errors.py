@@ -27,9 +27,10 @@ LONG = {"prompt": "Once upon a time", "max_tokens": 900, "ignore_eos": True, "te
 
 
 # --chat-template's file: turns as ChatML, each role in capitals (the model's own template
-# writes it as given), so a templated prompt shows which template made it
+# writes it as given), so a templated prompt shows which template made it; a "preface"
+# variable (chat_template_kwargs) goes first
 TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] | upper }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% if preface is defined %}{{ preface }}\n{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] | upper }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>ASSISTANT\n{% endif %}"
 )
 
@@ -130,6 +131,15 @@ def test_chat_template_flag_replaces_the_models_template(server):
     assert text == "<|im_start|>USER\nhi<|im_end|>\n<|im_start|>ASSISTANT\n"
     reply = post(server, _CHAT, {"messages": CHAT, "max_tokens": 2})
     assert reply.status_code == 200 and reply.json()["usage"]["prompt_tokens"] == len(tokens)
+    variables = {"messages": CHAT, "chat_template_kwargs": {"preface": "PREFACE"}}
+    tokens = post(server, "/tokenize", variables).json()["tokens"]
+    text = post(server, "/detokenize", {"tokens": tokens}).json()["prompt"]
+    assert text.startswith("PREFACE\n<|im_start|>USER\nhi")
+    reply = post(server, _CHAT, {**variables, "max_tokens": 2})
+    assert reply.status_code == 200 and reply.json()["usage"]["prompt_tokens"] == len(tokens)
+    reserved = {"messages": CHAT, "chat_template_kwargs": {"add_generation_prompt": False}}
+    for path in (_CHAT, "/tokenize"):
+        assert_error(post(server, path, reserved), 400, "chat_template_kwargs")
 
 
 def test_chat_template_values_are_checked_at_start_up(tmp_path):

@@ -250,6 +250,7 @@ async def tokenize(request: TokenizeRequest, raw: Request) -> TokenizeResponse:
             request.messages,
             request.add_generation_prompt,
             continue_final_message=request.continue_final_message,
+            template_kwargs=request.chat_template_kwargs,
         )
     elif request.prompt is not None:
         tokens = state.chat.tokenizer.encode(

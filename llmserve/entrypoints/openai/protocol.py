@@ -111,6 +111,18 @@ class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
 
+# apply_chat_template's own arguments, which chat_template_kwargs (vLLM's extra field: more
+# variables for the template, such as enable_thinking) may not set
+TEMPLATE_ARGUMENTS = {
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+}  # fmt: skip
+TemplateKwargs = Annotated[
+    dict[str, Any],
+    Field(json_schema_extra={"propertyNames": {"not": {"enum": sorted(TEMPLATE_ARGUMENTS)}}}),
+]
+
 # continue_final_message (vLLM's extra field: the last message stays open and the reply
 # continues it, an assistant's prefill) asks for no new turn: add_generation_prompt false too
 CONTINUATION_RULE = {
@@ -365,6 +377,7 @@ class TokenizeRequest(OpenAIModel):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: TemplateKwargs | None = None
 
 
 class TokenizeResponse(OpenAIModel):

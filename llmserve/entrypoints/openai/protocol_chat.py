@@ -18,6 +18,7 @@ from llmserve.entrypoints.openai.protocol import (
     OpenAIModel,
     ResponseFormat,
     SamplingFields,
+    TemplateKwargs,
     ToolCall,
     UsageInfo,
 )
@@ -81,6 +82,7 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM's extra: the reply continues the last message
+    chat_template_kwargs: TemplateKwargs | None = None  # vLLM's extra: the template's variables
     response_format: ResponseFormat | None = None
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None

@@ -5,12 +5,18 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from typing import Any
 
 from llmserve.engine.request_stream import RequestStream
 from llmserve.entrypoints.openai import tool_calls
 from llmserve.entrypoints.openai.errors import OpenAIError
 from llmserve.entrypoints.openai.logprobs import chat_logprobs
-from llmserve.entrypoints.openai.protocol import ChatMessage, ToolCall, UsageInfo
+from llmserve.entrypoints.openai.protocol import (
+    TEMPLATE_ARGUMENTS,
+    ChatMessage,
+    ToolCall,
+    UsageInfo,
+)
 from llmserve.entrypoints.openai.protocol_chat import (
     ChatChoice,
     ChatCompletionChunk,
@@ -46,7 +52,11 @@ class OpenAIServingChat(ServingBase):
         tool_calls.check_tools(request)
         messages, tools = tool_calls.conversation(request, self.template_has_tools, how)
         prompt_ids = self.apply_chat_template(
-            messages, request.add_generation_prompt, tools, request.continue_final_message
+            messages,
+            request.add_generation_prompt,
+            tools,
+            request.continue_final_message,
+            request.chat_template_kwargs,
         )
         params = chat_params(request, self.vocab_size, tool_calls.call_schema(request, how))
         request_id = random_id("chatcmpl")
@@ -82,9 +92,18 @@ class OpenAIServingChat(ServingBase):
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
         continue_final_message: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """Token ids of the templated conversation (``continue_final_message``: the last
-        message left open, for the reply to continue it); a template error is a 400."""
+        message left open, for the reply to continue it; ``template_kwargs``: more variables
+        for the template, such as ``enable_thinking``); a template error is a 400."""
+        reserved = sorted(set(template_kwargs or ()) & TEMPLATE_ARGUMENTS)
+        if reserved:
+            raise OpenAIError(
+                f"chat_template_kwargs cannot set {reserved}: they are the request's own fields "
+                "or the templating call's",
+                param="chat_template_kwargs",
+            )
         if continue_final_message and add_generation_prompt:
             raise OpenAIError(
                 "continue_final_message and add_generation_prompt cannot both be true: set "
@@ -95,7 +114,7 @@ class OpenAIServingChat(ServingBase):
             m if isinstance(m, dict) else tool_calls.message_dict(m, self.template_has_tools)
             for m in messages
         ]
-        extra: dict = {"tools": tools} if tools else {}
+        extra: dict = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
         if continue_final_message:
             extra["continue_final_message"] = True
         try:
