@@ -279,6 +279,37 @@ def test_api_key(server):
         bad.completions.create(model=MODEL, prompt="hi", max_tokens=2)
 
 
+def test_models_retrieve_by_name(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, timeout=60, max_retries=0)
+    card = client.models.retrieve(MODEL)
+    assert card.id == MODEL and card.object == "model"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+    assert_error(httpx.get(server.url + "/v1/models/" + MODEL, timeout=TIMEOUT), 401)
+
+
+def test_browsers_may_call_from_any_origin_by_default(server):
+    """CORS (--allowed-origins, default *): a preflight is answered without the key, with the
+    headers a page needs to send its key; responses, 401s among them, carry the origin."""
+    origin = {"Origin": "http://example.test"}
+    preflight = httpx.options(
+        server.url + _COMPLETION,
+        headers={
+            **origin,
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization,content-type",
+        },
+        timeout=TIMEOUT,
+    )
+    assert preflight.status_code == 200
+    assert preflight.headers["access-control-allow-origin"] == "*"
+    assert "authorization" in preflight.headers["access-control-allow-headers"].lower()
+    for headers, status in (({**origin, **AUTH}, 200), (origin, 401)):
+        response = httpx.get(server.url + "/v1/models", headers=headers, timeout=TIMEOUT)
+        assert response.status_code == status
+        assert response.headers["access-control-allow-origin"] == "*"
+
+
 # ---- 503 ----------------------------------------------------------------------------------
 def test_back_pressure_is_503_with_retry_after(server):
     async def open_streams() -> list[int]:

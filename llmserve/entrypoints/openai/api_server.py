@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
@@ -66,9 +67,14 @@ class ServerState:
 
 
 def build_app(
-    engine: AsyncLLMEngine, api_key: str | None = None, model_names: list[str] | None = None
+    engine: AsyncLLMEngine,
+    api_key: str | None = None,
+    model_names: list[str] | None = None,
+    allowed_origins: list[str] | None = None,
 ) -> FastAPI:
-    """The FastAPI app; the engine thread starts and stops with the app's lifespan."""
+    """The FastAPI app; the engine thread starts and stops with the app's lifespan.
+    ``allowed_origins``: the origins whose pages a browser lets call the API (CORS; ``*``:
+    any); none: no CORS headers at all."""
     names = model_names or [engine.engine.model_name]
     state = ServerState(
         engine=engine,
@@ -91,6 +97,10 @@ def build_app(
     install_error_handlers(app)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    if allowed_origins:  # outermost: a preflight (OPTIONS, no key) is answered before the key check
+        app.add_middleware(
+            CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"], allow_headers=["*"]
+        )
     return app
 
 
@@ -230,14 +240,24 @@ async def _wait_for_disconnect(raw: Request) -> None:
 @router.get("/v1/models", response_model=ModelList)
 async def list_models(raw: Request) -> ModelList:
     """The model this server serves."""
+    return ModelList(data=_model_cards(_state(raw)))
+
+
+@router.get("/v1/models/{model:path}", response_model=ModelCard, responses=_ERRORS)
+async def retrieve_model(model: str, raw: Request) -> ModelCard:
+    """One served model by name (OpenAI's ``models.retrieve``); 404 for any other name."""
     state = _state(raw)
+    state.chat.check_model(model)
+    return next(card for card in _model_cards(state) if card.id == model)
+
+
+def _model_cards(state: ServerState) -> list[ModelCard]:
     engine = state.engine.engine
     root = engine.config.model.model or engine.resolved.display_name
-    cards = [
+    return [
         ModelCard(id=name, root=root, max_model_len=engine.max_model_len)
         for name in state.model_names
     ]
-    return ModelList(data=cards)
 
 
 @router.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)

@@ -59,6 +59,12 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         "engine/core_process.py); default: the engine in a thread of this process",
     )
     server.add_argument(
+        "--allowed-origins",
+        default="*",
+        help="origins a browser page may call the API from (CORS), comma-separated, or '' for "
+        "none (default: *, any, as vLLM's)",
+    )
+    server.add_argument(
         "--chat-template",
         default=None,
         help="the chat template for chat requests instead of the model's own: a Jinja file, "
@@ -108,7 +114,8 @@ def run_server(args: argparse.Namespace) -> int:
         engine = async_engine.engine
     if chat_template is not None:
         use_chat_template(engine.tokenizer, chat_template)
-    app = build_app(async_engine, api_key=args.api_key)
+    origins = [o.strip() for o in args.allowed_origins.split(",") if o.strip()]
+    app = build_app(async_engine, api_key=args.api_key, allowed_origins=origins)
     config = uvicorn.Config(
         app,
         host=args.host,
