@@ -1,7 +1,7 @@
 """llmserve: an LLM inference and serving engine."""
 
 from llmserve.llm import LLM
-from llmserve.outputs import BeamSearchOutput, CompletionOutput, RequestOutput
+from llmserve.outputs import BeamSearchOutput, CompletionOutput, Logprob, RequestOutput
 from llmserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from llmserve.structured_output import StructuredOutputsParams
 
@@ -15,5 +15,6 @@ __all__ = [
     "StructuredOutputsParams",
     "RequestOutput",
     "CompletionOutput",
+    "Logprob",
     "__version__",
 ]

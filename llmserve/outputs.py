@@ -4,10 +4,40 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# One dict per position: token id -> logprob (the sampled / actual token always included).
-SampleLogprobs = list[dict[int, float]]
+
+class Logprob(float):
+    """A token's log-probability, as vLLM's ``Logprob``: ``.logprob``, ``.rank`` (1: the most
+    likely token of its position) and ``.decoded_token`` (its text). It is also the float
+    itself, so sums and comparisons, and JSON, take it as the number."""
+
+    rank: int | None
+    decoded_token: str | None
+
+    def __new__(
+        cls, logprob: float, rank: int | None = None, decoded_token: str | None = None
+    ) -> Logprob:
+        self = super().__new__(cls, logprob)
+        self.rank, self.decoded_token = rank, decoded_token
+        return self
+
+    @property
+    def logprob(self) -> float:
+        return float(self)
+
+    def __reduce__(self) -> tuple:  # pickled with its rank and text (the engine-core process)
+        return (Logprob, (float(self), self.rank, self.decoded_token))
+
+    def __repr__(self) -> str:
+        return (
+            f"Logprob(logprob={float(self)!r}, rank={self.rank!r}, "
+            f"decoded_token={self.decoded_token!r})"
+        )
+
+
+# One dict per position: token id -> Logprob (the sampled / actual token always included).
+SampleLogprobs = list[dict[int, Logprob]]
 # As above, with None for the first prompt token (nothing precedes it).
-PromptLogprobs = list[dict[int, float] | None]
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass

@@ -169,6 +169,34 @@ def test_allowed_token_ids_and_truncated_prompts(llm):
         SamplingParams(use_beam_search=True, temperature=0, logit_bias={5: 1.0})
 
 
+def test_logprobs_are_vllms_logprob_objects(llm):
+    """Each logprob is a Logprob with .logprob, .rank and .decoded_token, as vLLM's, and the
+    float itself: greedy tokens rank 1, the top entries 1..N in order, a prompt token one more
+    than the tokens more likely than it; the texts are the tokens' own."""
+    from llmserve import Logprob
+
+    tokenizer = llm.get_tokenizer()
+    params = SamplingParams(temperature=0, max_tokens=4, logprobs=3, prompt_logprobs=2)
+    out = llm.generate([SQL], params, use_tqdm=False)[0]
+    for token_id, position in zip(out.outputs[0].token_ids, out.outputs[0].logprobs, strict=True):
+        assert all(isinstance(lp, Logprob) for lp in position.values())
+        assert position[token_id].rank == 1  # greedy
+        top = sorted(position.values(), key=lambda lp: lp.rank)
+        assert [lp.rank for lp in top] == [1, 2, 3]
+        assert [lp.logprob for lp in top] == sorted((float(lp) for lp in top), reverse=True)
+        for tid, lp in position.items():
+            assert lp.decoded_token == tokenizer.decode([tid]) and lp.logprob == float(lp)
+    assert out.outputs[0].cumulative_logprob == pytest.approx(
+        sum(p[t] for t, p in zip(out.outputs[0].token_ids, out.outputs[0].logprobs))
+    )
+    assert out.prompt_logprobs[0] is None
+    for token_id, position in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:]):
+        actual = position[token_id]
+        better = [lp for lp in position.values() if lp.logprob > actual.logprob]
+        assert actual.rank >= len(better) + 1 and (actual.rank > 2 or len(position) == 2)
+    assert "Logprob(logprob=" in repr(out.outputs[0].logprobs[0])
+
+
 def test_streamed_text_handles_multibyte_characters(llm):
     out = _greedy(
         llm, "Translate to Korean and add emoji: I love you", max_tokens=40, min_tokens=40

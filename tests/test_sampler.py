@@ -426,6 +426,21 @@ def test_sampled_logprobs_are_raw_log_softmax():
             assert logprob == pytest.approx(reference[row, token_id].item(), abs=1e-5)
 
 
+def test_top_logprobs_rank_each_token_as_vllm_does():
+    """The top entries rank 1..N in order; the asked-for token one more than the tokens with a
+    higher logprob (so ties share a rank), whether or not it is among the top."""
+    from llmserve.runner.logprobs import top_logprobs
+
+    logits = torch.tensor([[3.0, 1.0, 2.0, 1.5, 0.0], [0.0, 5.0, 4.0, 3.0, 2.0]])
+    rows = top_logprobs(logits, torch.tensor([4, 2]), [2, 1])
+    assert {t: lp.rank for t, lp in rows[0].items()} == {0: 1, 2: 2, 4: 5}
+    assert {t: lp.rank for t, lp in rows[1].items()} == {1: 1, 2: 2}
+    want = torch.log_softmax(logits, dim=-1)
+    assert rows[0][4].logprob == pytest.approx(float(want[0, 4]))
+    tied = top_logprobs(torch.tensor([[3.0, 2.0, 2.0, 0.0]]), torch.tensor([2]), [1])[0]
+    assert tied[2].rank == 2  # tokens 1 and 2 tie behind token 0
+
+
 def test_compute_prompt_logprobs_matches_reference():
     logits = torch.randn(7, 40).to(torch.bfloat16)  # [prompt positions, vocab]
     targets = [3, 3, 39, 0, 12, 5, 21]

@@ -21,7 +21,7 @@ from llmserve.engine.output_processor import make_request_output, process_sample
 from llmserve.engine.scheduler import Scheduler
 from llmserve.engine.scheduler_output import SchedulerOutput
 from llmserve.engine.sequence import FinishReason, Request, Sequence
-from llmserve.outputs import RequestOutput
+from llmserve.outputs import Logprob, RequestOutput
 from llmserve.sampling_params import RequestOutputKind, SamplingParams
 from llmserve.structured_output.grammar import GrammarCompiler
 
@@ -93,6 +93,7 @@ class LLMEngine:
         self.stats = EngineStats()
         self._seq_counter = itertools.count()
         self._request_counter = itertools.count()
+        self._token_texts: dict[int, str] = {}  # Logprob.decoded_token's, by token id
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> LLMEngine:
@@ -213,6 +214,14 @@ class LLMEngine:
 
         return compute_threads_bound(getattr(self.runner, "device", None))
 
+    def _name_tokens(self, logprobs: dict[int, Logprob]) -> None:
+        """Each Logprob's ``decoded_token``: its token's text (cached per token id)."""
+        for token_id, logprob in logprobs.items():
+            text = self._token_texts.get(token_id)
+            if text is None:
+                text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+            logprob.decoded_token = text
+
     # ---- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one forward pass; return outputs of requests that changed."""
@@ -222,6 +231,8 @@ class LLMEngine:
         result = self.runner.execute(sched)
         self._record_step(sched)
         for request_id, logprobs in result.prompt_logprobs.items():
+            for position in logprobs:
+                self._name_tokens(position)
             self.scheduler.requests[request_id].prompt_logprobs.extend(logprobs)
         changed: dict[str, Request] = {}
         now = time.monotonic()
@@ -240,6 +251,8 @@ class LLMEngine:
                     seq.request.prompt_token_ids,
                     seq.request.params.skip_special_tokens,
                 )
+            if sample.logprobs is not None:
+                self._name_tokens(sample.logprobs)
             reason = process_sample(sample, self.eos_token_id, self.max_model_len)
             if reason is not None:
                 del seq.token_ids[seq.num_prompt_tokens + sample.num_output_tokens :]

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from llmserve.engine.sequence import Sequence
+from llmserve.outputs import Logprob
 
 
 @dataclass
@@ -45,5 +46,5 @@ class SampledSeq:
 
     seq: Sequence
     token_id: int
-    logprobs: dict[int, float] | None
+    logprobs: dict[int, Logprob] | None
     num_output_tokens: int = 0  # the sequence's output length with this token

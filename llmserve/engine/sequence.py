@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmserve.engine.beam_search import BeamState
+from llmserve.outputs import Logprob
 from llmserve.sampling_params import SamplingParams
 
 
@@ -63,7 +64,7 @@ class Sequence:
     swap_ids: list[int] = field(default_factory=list)  # swap-space slots while SWAPPED
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
     cumulative_logprob: float = 0.0
-    logprobs: list[dict[int, float]] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     detokenizer: Any = None  # make_detokenizer's, set by the engine
@@ -114,7 +115,7 @@ class Request:
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
     seqs: list[Sequence] = field(default_factory=list)
     is_forked: bool = False  # True once all n sequences exist and run
-    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, Logprob] | None] = field(default_factory=list)
     beam: BeamState | None = None  # beam search requests only
 
     @property

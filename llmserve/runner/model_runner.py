@@ -17,6 +17,7 @@ import torch
 
 from llmserve.engine.scheduler_output import ScheduledSeq, SchedulerOutput
 from llmserve.layers.attention_metadata import AttentionMetadata
+from llmserve.outputs import Logprob
 from llmserve.runner import kv_cache
 from llmserve.runner.cuda_graph import CUDAGraphRunner
 from llmserve.runner.inputs import Chunk, StepInputs, build_step_inputs
@@ -28,7 +29,7 @@ from llmserve.structured_output.masking import apply_grammar_masks
 
 logger = logging.getLogger(__name__)
 
-Sample = tuple[int, dict[int, float] | None]  # token id, logprobs
+Sample = tuple[int, dict[int, Logprob] | None]  # token id, logprobs
 
 
 @dataclass
@@ -36,7 +37,7 @@ class RunnerOutput:
     """Per sequence id: the sampled tokens (n for a fork step); prompt logprobs per request."""
 
     samples: dict[int, list[Sample]] = field(default_factory=dict)
-    prompt_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[dict[int, Logprob]]] = field(default_factory=dict)
 
 
 class ModelRunner:

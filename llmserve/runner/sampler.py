@@ -26,6 +26,7 @@ from itertools import chain
 import torch
 
 from llmserve.kernels import cpu as cpu_kernels
+from llmserve.outputs import Logprob
 from llmserve.runner.logprobs import top_logprobs
 from llmserve.runner.penalties import apply_penalties
 from llmserve.runner.truncation import (
@@ -73,7 +74,7 @@ class SamplerOutput:
     """One sampled token per row, plus its logprobs where the row asked for them."""
 
     sampled_token_ids: list[int]
-    logprobs: list[dict[int, float] | None]  # top-N + sampled token; None if not requested
+    logprobs: list[dict[int, Logprob] | None]  # top-N + sampled token; None if not requested
 
 
 def sampler_kernels(attention_backend: str) -> str:
@@ -370,10 +371,10 @@ def draw_tokens(probs: torch.Tensor, generators: list[torch.Generator | None]) -
 
 def _sampled_logprobs(
     raw_logits: torch.Tensor, rows: list[SamplingRow], sampled: torch.Tensor
-) -> list[dict[int, float] | None]:
+) -> list[dict[int, Logprob] | None]:
     """Per row: the raw model logprobs of the top ``params.logprobs`` tokens and the sampled one."""
     wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
-    result: list[dict[int, float] | None] = [None] * len(rows)
+    result: list[dict[int, Logprob] | None] = [None] * len(rows)
     if not wanted:
         return result
     index = _tensor(wanted, torch.int64, raw_logits.device)  # [num_wanted]
