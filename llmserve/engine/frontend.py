@@ -27,11 +27,14 @@ class EngineFrontend:
     def load(cls, config: EngineConfig) -> EngineFrontend:
         from llmserve.loader import load_config, resolve_model
         from llmserve.structured_output.grammar import GrammarCompiler
-        from llmserve.tokenizer import get_tokenizer
+        from llmserve.tokenizer import engine_tokenizer
 
-        resolved = resolve_model(config.model.model)
+        model = config.model
+        resolved = resolve_model(model.model)
         hf_config = load_config(resolved)
-        tokenizer = get_tokenizer(resolved)
+        tokenizer = engine_tokenizer(
+            resolved, model.tokenizer, hf_config.vocab_size, model.trust_remote_code
+        )
         grammars = GrammarCompiler(tokenizer, hf_config.vocab_size, tokenizer.eos_token_id)
         return cls(config, resolved, hf_config, tokenizer, grammars)
 

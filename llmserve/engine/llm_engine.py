@@ -49,7 +49,7 @@ class LLMEngine:
         from llmserve.loader import load_config, resolve_model
         from llmserve.runner.cpu_threads import check_bind_setting
         from llmserve.runner.worker import create_runner
-        from llmserve.tokenizer import get_tokenizer
+        from llmserve.tokenizer import engine_tokenizer
 
         if config.parallel.data_parallel_size > 1:
             raise ValueError(
@@ -60,7 +60,10 @@ class LLMEngine:
         self.config = config
         self.resolved = resolve_model(config.model.model)
         self.hf_config = load_config(self.resolved)
-        self.tokenizer = get_tokenizer(self.resolved)
+        model = config.model
+        self.tokenizer = engine_tokenizer(
+            self.resolved, model.tokenizer, self.hf_config.vocab_size, model.trust_remote_code
+        )
         self.max_model_len = self._max_model_len()
         self.eos_token_id = self.tokenizer.eos_token_id
         self.grammars = GrammarCompiler(
