@@ -39,6 +39,9 @@ class SamplingParams:
             prompt or output (CTRL / Hugging Face); 1.0 disables.
         logit_bias: token id -> bias added to its logit.
         allowed_token_ids: only these tokens may be generated (every other logit masked).
+        bad_words: words never generated: the token that would complete one is masked (each
+            word tokenized as given and with a leading space, as vLLM's).
+        bad_words_token_ids: ``bad_words`` as token ids, filled in by the engine.
         max_tokens: maximum number of generated tokens; None means up to max_model_len.
         min_tokens: EOS and stop_token_ids are masked until this many tokens exist.
         stop: strings that end generation; they are not part of the returned text.
@@ -71,6 +74,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
     max_tokens: int | None = 16
     min_tokens: int = 0
     stop: str | list[str] | None = None
@@ -114,6 +119,7 @@ class SamplingParams:
                     ("min_tokens", self.min_tokens > 0),
                     ("logit_bias", bool(self.logit_bias)),
                     ("allowed_token_ids", self.allowed_token_ids is not None),
+                    ("bad_words", bool(self.bad_words)),
                 )
                 if on
             ]
@@ -180,6 +186,12 @@ class SamplingParams:
                 self.allowed_token_ids,
                 "a non-empty list of token ids (integers >= 0)",
             )
+        _check(
+            all(isinstance(w, str) and w.strip() for w in self.bad_words or []),
+            "bad_words",
+            self.bad_words,
+            "a list of words (non-blank strings)",
+        )
         _check(
             self.truncate_prompt_tokens is None
             or self.truncate_prompt_tokens == -1

@@ -6,6 +6,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from llmserve import LLM, RequestOutputKind, SamplingParams
+from llmserve.engine.llm_engine import bad_words_token_ids
 from tests.conftest import assert_no_leaks
 
 SQL = "Write SQL that counts rows of t."
@@ -196,6 +197,21 @@ def test_logprobs_are_vllms_logprob_objects(llm):
         better = [lp for lp in position.values() if lp.logprob > actual.logprob]
         assert actual.rank >= len(better) + 1 and (actual.rank > 2 or len(position) == 2)
     assert "Logprob(logprob=" in repr(out.outputs[0].logprobs[0])
+
+
+def test_bad_words_are_never_generated(llm):
+    """bad_words: the greedy answer's word never appears; each word is banned as written and
+    with a leading space."""
+    free = _greedy(llm, "The capital of France is", max_tokens=12)
+    assert "Paris" in free.text
+    banned = _greedy(llm, "The capital of France is", max_tokens=12, bad_words=["Paris"])
+    assert "Paris" not in banned.text and banned.token_ids[0] != free.token_ids[0]
+    tokenizer = llm.get_tokenizer()
+    pairs = bad_words_token_ids(tokenizer, ["Paris"])  # as the engine tokenizes them
+    assert tokenizer.encode("Paris", add_special_tokens=False) in pairs
+    assert tokenizer.encode(" Paris", add_special_tokens=False) in pairs
+    with pytest.raises(ValueError, match="bad_words"):
+        SamplingParams(bad_words=[" "])
 
 
 def test_tokenizer_option_takes_another_tokenizer(llm, tmp_path):

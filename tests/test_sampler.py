@@ -392,6 +392,28 @@ def test_allowed_token_ids_limit_each_row_to_its_set(kernels):
     torch.testing.assert_close(got, want, atol=0.04, rtol=0)
 
 
+def test_bad_words_mask_the_token_that_would_complete_them():
+    """A one-token word is never drawn; a longer one only loses its last token where the output
+    ends with the rest (read in place from the sequence, drafts included)."""
+    logits = torch.zeros(5, 20)
+    logits[:, 9] = 5.0  # the best token everywhere
+    logits[:, 7] = 4.0
+    words = [[9], [5, 6, 7]]  # "9" alone; "5 6 7"
+    params = SamplingParams(temperature=0.0, bad_words_token_ids=words)
+    rows = [
+        make_row(params, output_token_ids=[1, 2]),  # 9 banned: 7 next
+        make_row(SamplingParams(temperature=0.0, bad_words_token_ids=[[5, 6, 9]]), [4, 5, 6]),
+        make_row(SamplingParams(temperature=0.0, bad_words_token_ids=[[5, 6, 9]]), [6, 5]),
+        make_row(params, output_token_ids=OutputTokens([0, 0, 5], 1, [6])),  # 9 and 7 banned
+        make_row(SamplingParams(temperature=0.0)),
+    ]
+    out = Sampler()(logits, rows).sampled_token_ids
+    assert out == [7, 7, 9, 0, 9]
+    assert OutputTokens([0, 1, 2, 3], 1, [4, 5]).tail(3) == [3, 4, 5]
+    assert OutputTokens([0, 1, 2, 3], 1, [4, 5]).tail(9) == [1, 2, 3, 4, 5]
+    assert OutputTokens([0, 1, 2], 2).tail(1) == [2]
+
+
 def test_min_tokens_masks_eos_and_stop_ids():
     logits = torch.tensor([[0.0, 10.0, 9.0, 8.0, 1.0]])  # eos 1, then stop id 2, then 3
     params = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[2], ignore_eos=True)

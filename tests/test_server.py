@@ -191,7 +191,8 @@ def test_chat_continues_the_final_message(server, client, model, offline_llm):
 
 
 def test_allowed_token_ids_and_truncate_prompt_tokens(server, client, model):
-    """vLLM's extra fields: tokens from the allowed set only; the prompt cut to its last k."""
+    """vLLM's extra fields: tokens from the allowed set only; a bad word never generated; the
+    prompt cut to its last k."""
 
     def token_id(text: str) -> int:
         body = {"prompt": text, "add_special_tokens": False}
@@ -203,6 +204,10 @@ def test_allowed_token_ids_and_truncate_prompt_tokens(server, client, model):
     response = complete(client, model, temperature=1.0, seed=3, extra_body=body)
     assert re.fullmatch("( yes| no)+", response.choices[0].text)
     assert response.usage.completion_tokens == MAX_TOKENS
+    free = complete(client, model).choices[0].text
+    word = free.split()[0]
+    banned = complete(client, model, extra_body={"bad_words": [word]}).choices[0].text
+    assert word not in banned.split()
     cut = complete(client, model, extra_body={"truncate_prompt_tokens": 2})
     assert cut.usage.prompt_tokens == 2
     reply = chat(client, model, extra_body={"truncate_prompt_tokens": 3})

@@ -99,6 +99,7 @@ BAD_REQUESTS = [
     (_COMPLETION, {"prompt": "hi", "allowed_token_ids": []}, "allowed_token_ids"),
     (_COMPLETION, {"prompt": "hi", "allowed_token_ids": [10**6]}, "allowed_token_ids"),
     (_COMPLETION, {"prompt": "hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    (_COMPLETION, {"prompt": "hi", "bad_words": [" "]}, "bad_words"),
     (_CHAT, {"messages": CHAT, "truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
     (_COMPLETION, {"prompt": "hi", "use_beam_search": True, "logit_bias": {"5": 1}}, None),
     (_COMPLETION, {"prompt": "hi", "prompt_logprobs": 1}, "prompt_logprobs"),

@@ -42,6 +42,19 @@ class EngineStats:
     max_batched_seqs: int = 0
 
 
+def bad_words_token_ids(tokenizer: Any, words: list[str]) -> list[list[int]]:
+    """Each word's tokens as written, and with a leading space where that starts with
+    another token but is as long (vLLM's rule: " word" mid-text, "word" at the start)."""
+    result: list[list[int]] = []
+    for word in words:
+        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        result += [plain] if plain else []
+        if spaced and (not plain or (spaced[0] != plain[0] and len(spaced) == len(plain))):
+            result.append(spaced)
+    return result
+
+
 class LLMEngine:
     """Synchronous engine: ``add_request`` any time, call ``step`` until nothing is left."""
 
@@ -130,6 +143,9 @@ class LLMEngine:
             if len(prompt_ids) > keep:
                 text, prompt_ids = None, prompt_ids[-keep:]
         params = self._admit(prompt_ids, params)
+        if params.bad_words and params.bad_words_token_ids is None:
+            words = bad_words_token_ids(self.tokenizer, params.bad_words)
+            params = SamplingParams(**{**vars(params), "bad_words_token_ids": words})
         grammar = None
         if params.structured_outputs is not None:  # compiled (and checked) once per constraint
             grammar = self.grammars.compile(params.structured_outputs)

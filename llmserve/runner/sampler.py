@@ -4,7 +4,7 @@ Per row, in this order (a stage is skipped outright when no row in the batch nee
 
     raw logits ─────────────────────────────────> logprobs (log_softmax of the raw logits)
         │
-    allowed_token_ids -> logit_bias -> min_tokens mask -> repetition / presence / frequency
+    allowed_token_ids -> bad_words -> logit_bias -> min_tokens mask -> the penalties
         │
         ├── greedy rows (temperature 0): argmax
         └── random rows: / temperature -> top_k -> top_p -> min_p -> softmax -> draw
@@ -68,6 +68,14 @@ class OutputTokens(Sequence[int]):
     def __getitem__(self, index):
         return list(self)[index]
 
+    def tail(self, k: int) -> list[int]:
+        """The last ``k`` tokens (fewer where there are fewer), without copying the rest."""
+        after = list(self._after[-k:]) if k > 0 else []
+        more = k - len(after)
+        if more <= 0:
+            return after
+        return self._ids[max(self._start, len(self._ids) - more) :] + after
+
 
 @dataclass
 class SamplerOutput:
@@ -106,6 +114,7 @@ def _adjusts_logits(row: SamplingRow) -> bool:
     params = row.params
     return (
         params.allowed_token_ids is not None
+        or bool(params.bad_words_token_ids)
         or bool(params.logit_bias)
         or len(row.output_token_ids) < params.min_tokens
         or params.needs_output_penalties
@@ -120,6 +129,7 @@ def penalized_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
         return logits
     logits = logits.float()  # may alias the caller's tensor: every stage is out of place
     logits = apply_allowed_tokens(logits, rows)
+    logits = apply_bad_words(logits, rows)
     logits = apply_logit_bias(logits, rows)
     logits = apply_min_tokens(logits, rows)
     return _apply_row_penalties(logits, rows)
@@ -169,6 +179,27 @@ def apply_allowed_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch
         mask[i] = True
         mask[i, ids] = False
     return logits.masked_fill(mask.to(logits.device, non_blocking=True), -math.inf)
+
+
+def apply_bad_words(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """-inf for the token that would complete one of a row's ``bad_words_token_ids``: a
+    one-token word always, a longer one where the output ends with all but its last token."""
+    banned_rows, banned_ids = [], []
+    for i, row in enumerate(rows):
+        for word in row.params.bad_words_token_ids or ():
+            before = word[:-1]
+            if before:
+                output = row.output_token_ids
+                tail = output.tail(len(before)) if isinstance(output, OutputTokens) else None
+                if (tail if tail is not None else list(output)[-len(before) :]) != before:
+                    continue
+            if 0 <= word[-1] < logits.shape[-1]:
+                banned_rows.append(i)
+                banned_ids.append(word[-1])
+    if not banned_rows:
+        return logits
+    index = _tensor([banned_rows, banned_ids], torch.int64, logits.device)
+    return logits.index_put((index[0], index[1]), torch.tensor(-math.inf, device=logits.device))
 
 
 def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

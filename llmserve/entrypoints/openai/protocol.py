@@ -220,6 +220,7 @@ class SamplingFields(OpenAIModel):
     repetition_penalty: float = Field(1.0, gt=0)
     logit_bias: dict[TokenIdKey, Annotated[float, Field(ge=-100, le=100)]] | None = None
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None  # vLLM's
+    bad_words: list[Annotated[Text, Field(pattern=r"\S")]] | None = None  # vLLM's
     truncate_prompt_tokens: TruncatePrompt | None = None  # vLLM's: the prompt's last k tokens
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -272,6 +273,7 @@ class CompletionRequest(SamplingFields):
                     "structured_outputs": {"type": "null"},
                     "logit_bias": {"anyOf": [{"type": "null"}, {"maxProperties": 0}]},
                     "allowed_token_ids": {"type": "null"},
+                    "bad_words": {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}]},
                 }
             },
         }

@@ -107,6 +107,7 @@ def build_params(
             repetition_penalty=request.repetition_penalty,
             logit_bias=logit_bias,
             allowed_token_ids=request.allowed_token_ids,
+            bad_words=request.bad_words,
             truncate_prompt_tokens=request.truncate_prompt_tokens,
             max_tokens=max_tokens,
             # more than max_tokens cannot be generated: min_tokens then means "no EOS at all"
