@@ -190,6 +190,18 @@ def test_chat_continues_the_final_message(server, client, model, offline_llm):
         offline_llm.chat(begun, params, continue_final_message=True)
 
 
+def test_usage_counts_prompt_tokens_from_the_prefix_cache(client, model):
+    """usage.prompt_tokens_details.cached_tokens, as OpenAI's: none the first time a prompt is
+    seen, its whole blocks (16 tokens each here) the second time."""
+    prompt = " ".join(f"w{i}q{i * 7}" for i in range(20))  # seen by no other test
+    first = complete(client, model, prompt=prompt).usage
+    second = complete(client, model, prompt=prompt).usage
+    assert first.prompt_tokens_details.cached_tokens == 0
+    cached = second.prompt_tokens_details.cached_tokens
+    assert cached > 0 and cached % 16 == 0 and cached < second.prompt_tokens
+    assert second.prompt_tokens == first.prompt_tokens
+
+
 def test_allowed_token_ids_and_truncate_prompt_tokens(server, client, model):
     """vLLM's extra fields: tokens from the allowed set only; a bad word never generated; the
     prompt cut to its last k."""

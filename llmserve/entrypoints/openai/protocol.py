@@ -154,10 +154,15 @@ class StreamOptions(OpenAIModel):
     include_usage: bool = False
 
 
+class PromptTokensDetails(OpenAIModel):
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+
+
 class UsageInfo(OpenAIModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 _KINDS = ("json", "regex", "choice", "grammar", "json_object")

@@ -16,7 +16,7 @@ from llmserve.engine.llm_engine import PromptType
 from llmserve.engine.request_stream import RequestStream
 from llmserve.entrypoints.openai.errors import OpenAIError, error_from_exception
 from llmserve.entrypoints.openai.logprobs import TokenTexts
-from llmserve.entrypoints.openai.protocol import ErrorResponse, UsageInfo
+from llmserve.entrypoints.openai.protocol import ErrorResponse, PromptTokensDetails, UsageInfo
 from llmserve.outputs import CompletionOutput, RequestOutput
 from llmserve.sampling_params import SamplingParams
 
@@ -158,6 +158,9 @@ class ServingBase:
             prompt_tokens=num_prompt,
             completion_tokens=num_completion,
             total_tokens=num_prompt + num_completion,
+            prompt_tokens_details=PromptTokensDetails(
+                cached_tokens=sum(o.num_cached_tokens for o in outputs)
+            ),
         )
 
 
