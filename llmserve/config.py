@@ -30,6 +30,12 @@ class ModelConfig:
         None,
         "Tokenizer to use instead of the model's own: a Hugging Face directory or a GGUF file",
     )
+    generation_config: str = _opt(
+        "auto",
+        "Sampling defaults for what a request leaves unset: auto takes the model's "
+        "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, "
+        "max_new_tokens), vllm ignores it, or a directory holding one (vLLM's flag)",
+    )
     trust_remote_code: bool = _opt(
         False, "Let transformers run a tokenizer's own code from its (local) directory"
     )

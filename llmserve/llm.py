@@ -36,6 +36,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for every prompt (text, token ids, or ``{"prompt_token_ids": [...]}``)."""
         prompts = self._as_list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params = self._per_prompt(sampling_params, len(prompts))
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority has {len(priority)} entries for {len(prompts)} prompts")
@@ -139,6 +141,11 @@ class LLM:
         if prompts and isinstance(prompts[0], int):
             return [prompts]  # one prompt given as token ids
         return prompts
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The sampling parameters ``generate`` and ``chat`` use when given none: the model's
+        generation_config.json's (``generation_config="auto"``), as vLLM's."""
+        return self.llm_engine.default_sampling_params()
 
     @staticmethod
     def _per_prompt(params, num_prompts: int) -> list[SamplingParams]:

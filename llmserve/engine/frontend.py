@@ -4,7 +4,7 @@ the engine-core process (``core_client.py``) or in data-parallel replicas."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from llmserve.config import EngineConfig
@@ -19,13 +19,14 @@ class EngineFrontend:
     hf_config: Any
     tokenizer: Any
     grammars: Any
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
     model_name: str = ""
     max_model_len: int = 0
     kv_info: str = ""
 
     @classmethod
     def load(cls, config: EngineConfig) -> EngineFrontend:
-        from llmserve.loader import load_config, resolve_model
+        from llmserve.loader import load_config, resolve_model, sampling_defaults
         from llmserve.structured_output.grammar import GrammarCompiler
         from llmserve.tokenizer import engine_tokenizer
 
@@ -36,7 +37,8 @@ class EngineFrontend:
             resolved, model.tokenizer, hf_config.vocab_size, model.trust_remote_code
         )
         grammars = GrammarCompiler(tokenizer, hf_config.vocab_size, tokenizer.eos_token_id)
-        return cls(config, resolved, hf_config, tokenizer, grammars)
+        defaults = sampling_defaults(resolved, model.generation_config)
+        return cls(config, resolved, hf_config, tokenizer, grammars, defaults)
 
     def prompt_token_ids(self, prompt) -> tuple[str | None, list[int]]:
         """The prompt as the engine would tokenize it (``LLMEngine.tokenize``)."""

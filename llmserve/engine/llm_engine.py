@@ -59,7 +59,7 @@ class LLMEngine:
     """Synchronous engine: ``add_request`` any time, call ``step`` until nothing is left."""
 
     def __init__(self, config: EngineConfig):
-        from llmserve.loader import load_config, resolve_model
+        from llmserve.loader import load_config, resolve_model, sampling_defaults
         from llmserve.runner.cpu_threads import check_bind_setting
         from llmserve.runner.worker import create_runner
         from llmserve.tokenizer import engine_tokenizer
@@ -77,6 +77,8 @@ class LLMEngine:
         self.tokenizer = engine_tokenizer(
             self.resolved, model.tokenizer, self.hf_config.vocab_size, model.trust_remote_code
         )
+        # what requests leave unset (the model's generation_config.json, as vLLM's "auto")
+        self.sampling_defaults = sampling_defaults(self.resolved, model.generation_config)
         self.max_model_len = self._max_model_len()
         self.eos_token_id = self.tokenizer.eos_token_id
         self.grammars = GrammarCompiler(
@@ -135,7 +137,7 @@ class LLMEngine:
         arrival_time: float | None = None,
     ) -> Request:
         """Validate and queue a request; raises ValueError when it can never run."""
-        params = params or SamplingParams()
+        params = params or self.default_sampling_params()
         text, prompt_ids = self.tokenize(prompt)
         keep = params.truncate_prompt_tokens
         if keep is not None:  # the prompt's last tokens (its text no longer matches them)
@@ -232,6 +234,11 @@ class LLMEngine:
         from llmserve.runner.cpu_threads import compute_threads_bound
 
         return compute_threads_bound(getattr(self.runner, "device", None))
+
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's defaults (``sampling_defaults``), vLLM's
+        ``get_default_sampling_params``."""
+        return SamplingParams(**self.sampling_defaults)
 
     def _name_tokens(self, logprobs: dict[int, Logprob]) -> None:
         """Each Logprob's ``decoded_token``: its token's text (cached per token id)."""

@@ -5,10 +5,11 @@ load_config(resolved)   -> transformers PretrainedConfig
 iter_weights(resolved)  -> (HF parameter name, tensor), one at a time
 """
 
+import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from transformers import PretrainedConfig
@@ -81,6 +82,39 @@ def load_config(resolved: ResolvedModel) -> PretrainedConfig:
     if resolved.kind == "gguf":
         return load_gguf_config(resolved.weights_path)
     return load_hf_config(resolved.path)
+
+
+# generation_config.json's sampling fields -> SamplingParams' (vLLM's --generation-config auto)
+_GENERATION_DEFAULTS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def sampling_defaults(resolved: ResolvedModel, setting: str = "auto") -> dict[str, Any]:
+    """The sampling fields a request leaves unset take from the model: ``auto`` reads the
+    model directory's generation_config.json (the fields its authors set), ``vllm`` none of
+    it, anything else names a directory holding such a file. GGUF files carry none."""
+    if setting == "vllm":
+        return {}
+    folder = resolved.path if setting == "auto" else setting
+    if setting != "auto" and not os.path.isfile(os.path.join(folder, "generation_config.json")):
+        raise ValueError(
+            f"generation_config {setting!r}: expected auto, vllm, or a directory holding a "
+            "generation_config.json"
+        )
+    if setting == "auto" and resolved.kind != "hf":
+        return {}
+    path = os.path.join(folder, "generation_config.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        saved = json.load(f)
+    return {ours: saved[theirs] for theirs, ours in _GENERATION_DEFAULTS.items() if theirs in saved}
 
 
 def iter_weights(resolved: ResolvedModel) -> Iterator[tuple[str, torch.Tensor]]:

@@ -222,7 +222,7 @@ class SamplingFields(OpenAIModel):
     stop_token_ids: list[TokenId] | None = None
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    repetition_penalty: float = Field(1.0, gt=0)
+    repetition_penalty: float | None = Field(None, gt=0)  # unset: the model's default, or 1
     logit_bias: dict[TokenIdKey, Annotated[float, Field(ge=-100, le=100)]] | None = None
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None  # vLLM's
     bad_words: list[Annotated[Text, Field(pattern=r"\S")]] | None = None  # vLLM's

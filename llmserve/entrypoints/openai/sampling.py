@@ -9,11 +9,14 @@ from llmserve.entrypoints.openai.protocol import CompletionRequest, SamplingFiel
 from llmserve.entrypoints.openai.protocol_chat import ChatCompletionRequest
 from llmserve.sampling_params import SamplingParams
 
-_OPTIONAL_KNOBS = ("temperature", "top_p", "top_k", "min_p")
+_OPTIONAL_KNOBS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
-def completion_params(request: CompletionRequest, vocab_size: int) -> SamplingParams:
-    """Sampling parameters of a completion request (``echo`` + ``logprobs`` asks for prompt logprobs)."""
+def completion_params(
+    request: CompletionRequest, vocab_size: int, defaults: dict[str, Any] | None = None
+) -> SamplingParams:
+    """Sampling parameters of a completion request (``echo`` + ``logprobs`` asks for prompt
+    logprobs); ``defaults``: the model's, for the knobs the request leaves unset."""
     wants_prompt_logprobs = request.echo and request.logprobs is not None
     params = build_params(
         request,
@@ -21,6 +24,7 @@ def completion_params(request: CompletionRequest, vocab_size: int) -> SamplingPa
         max_tokens=request.max_tokens,
         logprobs=request.logprobs,
         prompt_logprobs=request.logprobs if wants_prompt_logprobs else None,
+        defaults=defaults,
     )
     if not request.use_beam_search:  # beam_width alone changes nothing
         return params
@@ -35,7 +39,10 @@ def completion_params(request: CompletionRequest, vocab_size: int) -> SamplingPa
 
 
 def chat_params(
-    request: ChatCompletionRequest, vocab_size: int, tool_schema: dict[str, Any] | None = None
+    request: ChatCompletionRequest,
+    vocab_size: int,
+    tool_schema: dict[str, Any] | None = None,
+    defaults: dict[str, Any] | None = None,
 ) -> SamplingParams:
     """Sampling parameters of a chat request; ``max_completion_tokens`` wins over ``max_tokens``.
     ``tool_schema``: the JSON schema a "required" / named ``tool_choice`` generates under."""
@@ -55,7 +62,12 @@ def chat_params(
             )
         structured = {"json": tool_schema, "disable_any_whitespace": True}
     return build_params(
-        request, vocab_size, max_tokens=max_tokens, logprobs=logprobs, structured=structured
+        request,
+        vocab_size,
+        max_tokens=max_tokens,
+        logprobs=logprobs,
+        structured=structured,
+        defaults=defaults,
     )
 
 
@@ -86,14 +98,21 @@ def build_params(
     logprobs: int | None,
     prompt_logprobs: int | None = None,
     structured: dict[str, Any] | None = None,
+    defaults: dict[str, Any] | None = None,
 ) -> SamplingParams:
-    """Fields shared by both endpoints; a bad value is a 400 naming the field."""
+    """Fields shared by both endpoints; a bad value is a 400 naming the field. ``defaults``
+    (the model's generation_config.json, as vLLM's): what the request leaves unset."""
+    defaults = defaults or {}
+    if max_tokens is None:
+        max_tokens = defaults.get("max_tokens")
     if structured is None and request.structured_outputs is not None:
         structured = request.structured_outputs.model_dump(by_alias=True, exclude_none=True)
     logit_bias = _logit_bias(request.logit_bias, vocab_size)
     _check_token_ids(request.stop_token_ids or [], vocab_size, "stop_token_ids")
     _check_token_ids(request.allowed_token_ids or [], vocab_size, "allowed_token_ids")
     knobs: dict[str, Any] = {
+        name: defaults[name] for name in _OPTIONAL_KNOBS if name in defaults
+    } | {
         name: getattr(request, name)
         for name in _OPTIONAL_KNOBS
         if getattr(request, name) is not None
@@ -104,7 +123,6 @@ def build_params(
             seed=request.seed,
             presence_penalty=request.presence_penalty,
             frequency_penalty=request.frequency_penalty,
-            repetition_penalty=request.repetition_penalty,
             logit_bias=logit_bias,
             allowed_token_ids=request.allowed_token_ids,
             bad_words=request.bad_words,

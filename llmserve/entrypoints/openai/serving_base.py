@@ -10,6 +10,7 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 from llmserve.engine.async_engine import AsyncLLMEngine
 from llmserve.engine.llm_engine import PromptType
@@ -81,6 +82,7 @@ class ServingBase:
         self.tokenizer = engine.engine.tokenizer
         self.texts = TokenTexts(self.tokenizer)
         self.vocab_size: int = engine.engine.hf_config.vocab_size
+        self.sampling_defaults: dict[str, Any] = engine.engine.sampling_defaults
 
     def check_model(self, name: str | None) -> None:
         """404 for a model this server does not serve (no name means the default)."""

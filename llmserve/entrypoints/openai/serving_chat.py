@@ -58,7 +58,8 @@ class OpenAIServingChat(ServingBase):
             request.continue_final_message,
             request.chat_template_kwargs,
         )
-        params = chat_params(request, self.vocab_size, tool_calls.call_schema(request, how))
+        schema = tool_calls.call_schema(request, how)
+        params = chat_params(request, self.vocab_size, schema, self.sampling_defaults)
         request_id = random_id("chatcmpl")
         prompt = {"prompt_token_ids": prompt_ids}
         streams = await self.add_all(request_id, [prompt], params, request.priority)

@@ -39,7 +39,7 @@ class OpenAIServingCompletion(ServingBase):
         """Queue the prompts; a response, or (``stream``) an SSE event stream."""
         self.check_model(request.model)
         prompts = _prompts(request.prompt)
-        params = completion_params(request, self.vocab_size)
+        params = completion_params(request, self.vocab_size, self.sampling_defaults)
         request_id = random_id("cmpl")
         streams = await self.add_all(request_id, prompts, params, request.priority)
         if request.stream:
