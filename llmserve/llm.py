@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 from llmserve.engine.llm_engine import LLMEngine, PromptType
 from llmserve.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from llmserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from llmserve.tokenizer import TEMPLATE_ARGUMENTS
 
 
 class LLM:
@@ -86,21 +87,35 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template (or ``chat_template``, a Jinja template) to each
         conversation, then generate. ``continue_final_message`` (with
         ``add_generation_prompt=False``): the last message is left open and the output
-        continues it (an assistant's reply begun by the caller)."""
+        continues it (an assistant's reply begun by the caller). ``chat_template_kwargs``:
+        more variables for the template (e.g. ``enable_thinking``); ``tools``: function
+        definitions for templates that list them, as vLLM's ``LLM.chat`` takes them."""
         if continue_final_message and add_generation_prompt:
             raise ValueError(
                 "continue_final_message and add_generation_prompt cannot both be true: pass "
                 "add_generation_prompt=False to continue the last message"
             )
+        reserved = sorted(set(chat_template_kwargs or ()) & TEMPLATE_ARGUMENTS)
+        if reserved:
+            raise ValueError(
+                f"chat_template_kwargs cannot set {reserved}: they are chat()'s own arguments "
+                "or the templating call's"
+            )
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.llm_engine.tokenizer
-        extra: dict = {"continue_final_message": True} if continue_final_message else {}
+        extra: dict = dict(chat_template_kwargs or {})
+        if continue_final_message:
+            extra["continue_final_message"] = True
         if chat_template is not None:
             extra["chat_template"] = chat_template
+        if tools:
+            extra["tools"] = tools
         prompts = [
             {
                 "prompt_token_ids": tokenizer.apply_chat_template(

@@ -25,6 +25,15 @@ from llmserve.loader.gguf_loader import load_gguf_config
 logger = logging.getLogger(__name__)
 
 
+# apply_chat_template's own arguments: chat_template_kwargs (LLM.chat's, the server's) may not
+# set them
+TEMPLATE_ARGUMENTS = {
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+}  # fmt: skip
+
+
 def get_tokenizer(
     model: ResolvedModel | str | None = None,
     *,

@@ -126,7 +126,8 @@ def test_chat_uses_template(llm):
 
 def test_chat_takes_a_template_and_continues_the_final_message(llm):
     """chat_template replaces the model's; continue_final_message leaves the last message open
-    (no end-of-turn after it), with add_generation_prompt false."""
+    (no end-of-turn after it), with add_generation_prompt false; chat_template_kwargs and
+    tools reach the template."""
     template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
     messages = [{"role": "user", "content": "Count"}, {"role": "assistant", "content": "1, 2,"}]
     params = SamplingParams(temperature=0, max_tokens=2)
@@ -141,6 +142,22 @@ def test_chat_takes_a_template_and_continues_the_final_message(llm):
         continue_final_message=True,
     )[0]
     assert tokenizer.decode(kept_open.prompt_token_ids).endswith("<|im_start|>assistant\n1, 2,")
+    variables = (
+        "{{ preface }}|{% for t in tools %}{{ t['function']['name'] }};{% endfor %}|"
+        "{{ messages[-1]['content'] }}"
+    )
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
+    out = llm.chat(
+        messages,
+        params,
+        use_tqdm=False,
+        chat_template=variables,
+        chat_template_kwargs={"preface": "P"},
+        tools=[tool],
+    )[0]
+    assert tokenizer.decode(out.prompt_token_ids) == "P|get_weather;|1, 2,"
+    with pytest.raises(ValueError, match="chat_template_kwargs cannot set"):
+        llm.chat(messages, params, chat_template_kwargs={"tokenize": False})
 
 
 def test_allowed_token_ids_and_truncated_prompts(llm):

@@ -21,6 +21,8 @@ from pydantic import (
     field_validator,
 )
 
+from llmserve.tokenizer import TEMPLATE_ARGUMENTS
+
 MAX_LOGPROBS = 20  # most top logprobs per token a request may ask for
 MAX_N = 64  # most completions per prompt
 
@@ -111,13 +113,8 @@ class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
 
-# apply_chat_template's own arguments, which chat_template_kwargs (vLLM's extra field: more
-# variables for the template, such as enable_thinking) may not set
-TEMPLATE_ARGUMENTS = {
-    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
-    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
-}  # fmt: skip
+# chat_template_kwargs (vLLM's extra field: more variables for the template, such as
+# enable_thinking) may not set apply_chat_template's own arguments
 TemplateKwargs = Annotated[
     dict[str, Any],
     Field(json_schema_extra={"propertyNames": {"not": {"enum": sorted(TEMPLATE_ARGUMENTS)}}}),

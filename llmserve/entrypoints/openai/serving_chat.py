@@ -12,7 +12,6 @@ from llmserve.entrypoints.openai import tool_calls
 from llmserve.entrypoints.openai.errors import OpenAIError
 from llmserve.entrypoints.openai.logprobs import chat_logprobs
 from llmserve.entrypoints.openai.protocol import (
-    TEMPLATE_ARGUMENTS,
     ChatMessage,
     ToolCall,
     UsageInfo,
@@ -40,6 +39,7 @@ from llmserve.entrypoints.openai.serving_base import (
     sse_error,
 )
 from llmserve.outputs import CompletionOutput, RequestOutput
+from llmserve.tokenizer import TEMPLATE_ARGUMENTS
 
 
 class OpenAIServingChat(ServingBase):
