@@ -11,7 +11,6 @@ from tqdm.auto import tqdm
 from llmserve.engine.llm_engine import LLMEngine, PromptType
 from llmserve.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from llmserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
-from llmserve.tokenizer import TEMPLATE_ARGUMENTS
 
 
 class LLM:
@@ -101,6 +100,8 @@ class LLM:
                 "continue_final_message and add_generation_prompt cannot both be true: pass "
                 "add_generation_prompt=False to continue the last message"
             )
+        from llmserve.tokenizer import TEMPLATE_ARGUMENTS  # transformers: not at import time
+
         reserved = sorted(set(chat_template_kwargs or ()) & TEMPLATE_ARGUMENTS)
         if reserved:
             raise ValueError(
