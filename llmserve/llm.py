@@ -100,9 +100,9 @@ class LLM:
                 "continue_final_message and add_generation_prompt cannot both be true: pass "
                 "add_generation_prompt=False to continue the last message"
             )
-        from llmserve.tokenizer import TEMPLATE_ARGUMENTS  # transformers: not at import time
+        from llmserve.tokenizer import reserved_template_kwargs  # transformers: not at import
 
-        reserved = sorted(set(chat_template_kwargs or ()) & TEMPLATE_ARGUMENTS)
+        reserved = reserved_template_kwargs(chat_template_kwargs)
         if reserved:
             raise ValueError(
                 f"chat_template_kwargs cannot set {reserved}: they are chat()'s own arguments "

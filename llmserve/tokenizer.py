@@ -34,6 +34,11 @@ TEMPLATE_ARGUMENTS = {
 }  # fmt: skip
 
 
+def reserved_template_kwargs(kwargs: dict[str, Any] | None) -> list[str]:
+    """The names in ``kwargs`` (chat_template_kwargs) that only the templating call may set."""
+    return sorted(set(kwargs or ()) & TEMPLATE_ARGUMENTS)
+
+
 def get_tokenizer(
     model: ResolvedModel | str | None = None,
     *,

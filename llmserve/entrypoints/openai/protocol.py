@@ -21,7 +21,15 @@ from pydantic import (
     field_validator,
 )
 
-from llmserve.tokenizer import TEMPLATE_ARGUMENTS
+from llmserve.entrypoints.openai.protocol_fields import (
+    CONTINUATION_RULE,
+    BestOf,
+    NoPromptLogprobs,
+    NoSuffix,
+    TemplateKwargs,
+    TruncatePrompt,
+    _integral,
+)
 
 MAX_LOGPROBS = 20  # most top logprobs per token a request may ask for
 MAX_N = 64  # most completions per prompt
@@ -39,13 +47,6 @@ Text = Annotated[str, AfterValidator(_check_utf8)]  # rejects lone surrogates ("
 NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(_check_utf8)]
 
 
-def _integral(value: Any) -> Any:
-    """JSON Schema counts 1.0 as an integer: accept it as 1 (true, "1" stay refused)."""
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return value
-
-
 def Int(**bounds: Any) -> Any:  # noqa: N802 - a type
     """An integer field (1.0 accepted as 1; true and "1" refused) with ``Field`` bounds."""
     return Annotated[int, Field(**bounds), BeforeValidator(_integral)]
@@ -58,51 +59,6 @@ TokenId = Int(ge=0, json_schema_extra={"x-token-id": True})
 MaxTokens = Int(ge=1)
 
 
-def _best_of_one(value: int) -> int:
-    if value > 1:
-        raise ValueError(
-            "best_of > 1 is not supported (nor by vLLM's V1 engine): leave it out or set 1, or "
-            "ask for n completions with logprobs and rank them"
-        )
-    return value
-
-
-def _no_suffix(value: str) -> str:
-    if value:
-        raise ValueError("suffix (text after the insertion) is not supported, as in vLLM")
-    return value
-
-
-def _no_prompt_logprobs(value: int) -> int:
-    raise ValueError(
-        "prompt_logprobs is not supported: ask for echo: true with logprobs, which returns the "
-        "prompt's tokens with their log-probabilities"
-    )
-
-
-# OpenAI's legacy best_of (candidates ranked on the server): only 1, its default, is run here;
-# refused above it rather than ignored, so nobody is served n plain samples as the best of more
-BestOf = Annotated[
-    int,
-    Field(ge=1, json_schema_extra={"maximum": 1}),
-    BeforeValidator(_integral),
-    AfterValidator(_best_of_one),
-]
-
-
-def _not_zero(value: int) -> int:
-    if value == 0:
-        raise ValueError("truncate_prompt_tokens must be >= 1, or -1 (the last max_model_len)")
-    return value
-
-
-# truncate_prompt_tokens: keep the prompt's last k tokens, k >= 1, or -1 for max_model_len
-TruncatePrompt = Annotated[
-    int,
-    Field(ge=-1, json_schema_extra={"not": {"const": 0}}),
-    BeforeValidator(_integral),
-    AfterValidator(_not_zero),
-]
 # logit_bias keys: token ids written as strings (the schema's pattern is filled in likewise)
 TokenIdKey = Annotated[str, Field(json_schema_extra={"x-token-id-key": True})]
 
@@ -111,27 +67,6 @@ class OpenAIModel(BaseModel):
     # strict: a JSON value of the wrong type is refused (no "1" for 1, no 0 for false), so the
     # server accepts exactly what its OpenAPI schema describes
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
-
-
-# chat_template_kwargs (vLLM's extra field: more variables for the template, such as
-# enable_thinking) may not set apply_chat_template's own arguments
-TemplateKwargs = Annotated[
-    dict[str, Any],
-    Field(json_schema_extra={"propertyNames": {"not": {"enum": sorted(TEMPLATE_ARGUMENTS)}}}),
-]
-
-# continue_final_message (vLLM's extra field: the last message stays open and the reply
-# continues it, an assistant's prefill) asks for no new turn: add_generation_prompt false too
-CONTINUATION_RULE = {
-    "if": {
-        "properties": {"continue_final_message": {"const": True}},
-        "required": ["continue_final_message"],
-    },
-    "then": {
-        "properties": {"add_generation_prompt": {"const": False}},
-        "required": ["add_generation_prompt"],
-    },
-}
 
 
 # ---- errors ---------------------------------------------------------------------------------
@@ -250,13 +185,8 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     best_of: BestOf | None = None
     # known fields that are not run here: refused when set, rather than ignored
-    suffix: (
-        Annotated[str, Field(json_schema_extra={"maxLength": 0}), AfterValidator(_no_suffix)] | None
-    ) = None
-    prompt_logprobs: (
-        Annotated[int, Field(json_schema_extra={"not": {}}), AfterValidator(_no_prompt_logprobs)]
-        | None
-    ) = None
+    suffix: NoSuffix | None = None  # known fields not run here: refused when set
+    prompt_logprobs: NoPromptLogprobs | None = None
     use_beam_search: bool = False  # vLLM's extra fields: beam search in the engine
     beam_width: Int(ge=1, le=MAX_N) | None = None  # beams (default: n), all returned
     length_penalty: float = 1.0

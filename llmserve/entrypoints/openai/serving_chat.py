@@ -39,7 +39,7 @@ from llmserve.entrypoints.openai.serving_base import (
     sse_error,
 )
 from llmserve.outputs import CompletionOutput, RequestOutput
-from llmserve.tokenizer import TEMPLATE_ARGUMENTS
+from llmserve.tokenizer import reserved_template_kwargs
 
 
 class OpenAIServingChat(ServingBase):
@@ -98,7 +98,7 @@ class OpenAIServingChat(ServingBase):
         """Token ids of the templated conversation (``continue_final_message``: the last
         message left open, for the reply to continue it; ``template_kwargs``: more variables
         for the template, such as ``enable_thinking``); a template error is a 400."""
-        reserved = sorted(set(template_kwargs or ()) & TEMPLATE_ARGUMENTS)
+        reserved = reserved_template_kwargs(template_kwargs)
         if reserved:
             raise OpenAIError(
                 f"chat_template_kwargs cannot set {reserved}: they are the request's own fields "
