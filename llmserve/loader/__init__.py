@@ -99,19 +99,16 @@ def sampling_defaults(resolved: ResolvedModel, setting: str = "auto") -> dict[st
     """The sampling fields a request leaves unset take from the model: ``auto`` reads the
     model directory's generation_config.json (the fields its authors set), ``vllm`` none of
     it, anything else names a directory holding such a file. GGUF files carry none."""
-    if setting == "vllm":
+    if setting == "vllm" or (setting == "auto" and resolved.kind != "hf"):
         return {}
-    folder = resolved.path if setting == "auto" else setting
-    if setting != "auto" and not os.path.isfile(os.path.join(folder, "generation_config.json")):
+    path = os.path.join(resolved.path if setting == "auto" else setting, "generation_config.json")
+    if not os.path.isfile(path):
+        if setting == "auto":
+            return {}
         raise ValueError(
             f"generation_config {setting!r}: expected auto, vllm, or a directory holding a "
             "generation_config.json"
         )
-    if setting == "auto" and resolved.kind != "hf":
-        return {}
-    path = os.path.join(folder, "generation_config.json")
-    if not os.path.isfile(path):
-        return {}
     with open(path, encoding="utf-8") as f:
         saved = json.load(f)
     return {ours: saved[theirs] for theirs, ours in _GENERATION_DEFAULTS.items() if theirs in saved}
