@@ -24,38 +24,52 @@ step() { echo "== $(date -u +%T) $*"; }
 {
     step info; nvidia-smi; lscpu
     grep -m1 flags /proc/cpuinfo | tr ' ' '\n' | grep -E 'amx|avx512_bf16|avx512_vnni' | xargs
-    python3 -c "import torch, triton, transformers as t; print(torch.__version__, triton.__version__, t.__version__)"
+    python3 -c "import torch, triton, transformers as t
+print(torch.__version__, triton.__version__, t.__version__)"
     git log --oneline -1
 } > "$OUT/info.txt" 2>&1
 
 # The C++ CPU kernels build in the background while the GPU tests run.
-(MAX_JOBS=8 python3 -c "from llmserve.kernels import cpu as c; from llmserve.kernels.cpu import quant as q
-print('cpu', c.available(), 'quant', q.available(), 'bf16', c.has_bf16_gemm(), 'amx', c.has_amx_gemm(), c.current_isa())" \
+(MAX_JOBS=8 python3 -c "from llmserve.kernels import cpu as c
+from llmserve.kernels.cpu import quant as q
+print('cpu', c.available(), 'quant', q.available(), 'bf16', c.has_bf16_gemm(),
+      'amx', c.has_amx_gemm(), c.current_isa())" \
     > "$OUT/cpu_build.txt" 2>&1) &
 build=$!
 
 {
     step kernel tests on CUDA
-    LLMSERVE_KERNEL_TEST_DEVICE=cuda timeout 170 python3 -m pytest -q -n 8 -p no:cacheprovider \
+    LLMSERVE_KERNEL_TEST_DEVICE=cuda timeout 170 python3 -m pytest -n 8 -p no:cacheprovider \
         tests/kernels -k "not cpu_kernels and not quant_gemm and not cpu_gemm"
     step CUDA graph tests
-    timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graph.py
+    timeout 60 python3 -m pytest -p no:cacheprovider tests/test_cuda_graph.py
 } > "$OUT/cuda_tests.txt" 2>&1
 
 wait $build
+# (pyproject's addopts already hold one -q: a second would drop pytest's summary line)
+{
+    step "the C++ kernels' linkage (on 2026-11-29 this image linked a second libstdc++ in)"
+    timeout 60 python3 -m pytest -p no:cacheprovider tests/kernels/test_kernel_linkage.py
+} > "$OUT/cpu_linkage.txt" 2>&1
 if grep -q amx_tile /proc/cpuinfo; then
     {
         step AMX tests
-        timeout 60 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_cpu_gemm_amx.py
-        for amx in 0 1; do
-            step decode step, batch 64 x 320, bf16, 2 threads, LLMSERVE_CPU_AMX_GEMM=$amx
-            LLMSERVE_CPU_AMX_GEMM=$amx OMP_NUM_THREADS=2 timeout 60 python3 -m \
+        timeout 60 python3 -m pytest -p no:cacheprovider tests/kernels/test_cpu_gemm_amx.py
+        for amx in 0 1 0 1; do  # two CPUs, as this project's hosts have
+            step decode step, batch 64 x 320, bf16, LLMSERVE_CPU_AMX_GEMM=$amx
+            LLMSERVE_CPU_AMX_GEMM=$amx OMP_NUM_THREADS=2 timeout 40 taskset -c 0,1 python3 -m \
                 llmserve.benchmarks.attention --skip-gpu --dtype bfloat16 --batch 64 \
-                --contexts 320 --model .gpu/tok --load-format dummy --repeats 5
+                --contexts 320 --model .gpu/tok --load-format dummy --repeats 20
+            step offline random 64 x 256/128, bf16, LLMSERVE_CPU_AMX_GEMM=$amx
+            LLMSERVE_CPU_AMX_GEMM=$amx timeout 60 taskset -c 0,1 python3 -m \
+                llmserve.entrypoints.cli bench throughput --workload random --num-prompts 64 \
+                --input-len 256 \
+                --output-len 128 --model .gpu/tok --load-format dummy --dtype bfloat16 \
+                --device cpu --disable-tqdm
         done
         step bf16 linears, 2 threads
-        timeout 100 python3 -m llmserve.benchmarks.fp32_linear --dtype bfloat16 --rows 1 8 64 128 \
-            --threads 2 --layers 16 --budget-s 0.2
+        timeout 100 taskset -c 0,1 python3 -m llmserve.benchmarks.fp32_linear --dtype bfloat16 \
+            --rows 1 8 64 128 --threads 2 --layers 16 --budget-s 0.2
     } > "$OUT/amx.txt" 2>&1
 fi
 

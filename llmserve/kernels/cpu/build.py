@@ -23,6 +23,20 @@ import torch
 logger = logging.getLogger(__name__)
 
 
+def process_cxx_runtime() -> list[str]:
+    """The C++ runtime this process runs on (the ``libstdc++.so`` torch loaded), to link the
+    library against by name. A toolchain that offers only the static ``libstdc++.a`` (the GPU
+    machine's image, seen 2026-11-29) otherwise copies iostreams and locales into the library,
+    and that second copy beside the process's crashed on the first error message that formats
+    a number. Empty where the process has none (another C++ runtime): the compiler's default."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "/libstdc++.so" in line}
+    except OSError:
+        return []
+    return sorted(paths)[:1]
+
+
 class NativeLibrary:
     """One C++ library registering torch ops under ``namespace``; ``probe_ops`` must exist."""
 
@@ -90,7 +104,7 @@ class NativeLibrary:
             # -fopenmp: at::parallel_for is an OpenMP region compiled into this library; the
             # process already has torch's libgomp loaded, which the library then shares.
             extra_cflags=["-O3", "-fopenmp", *self.cflags, f"-DLLMSERVE_HEADERS={digest[:16]}"],
-            extra_ldflags=["-fopenmp"],
+            extra_ldflags=["-fopenmp", *process_cxx_runtime()],
             is_python_module=True,
             verbose=False,
         )
