@@ -158,6 +158,11 @@ class LLM:
             return [prompts]  # one prompt given as token ids
         return prompts
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt block, as vLLM's (a benchmark's cold start, say); True
+        when nothing stayed cached."""
+        return self.llm_engine.reset_prefix_cache()
+
     def get_default_sampling_params(self) -> SamplingParams:
         """The sampling parameters ``generate`` and ``chat`` use when given none: the model's
         generation_config.json's (``generation_config="auto"``), as vLLM's."""

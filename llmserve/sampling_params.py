@@ -51,6 +51,7 @@ class SamplingParams:
         logprobs: number of top logprobs returned per generated token (the sampled one too).
         prompt_logprobs: number of top logprobs returned per prompt token.
         skip_special_tokens: leave special tokens out of the detokenized text.
+        detokenize: False: token ids only, no text (as vLLM's; no stop strings then).
         truncate_prompt_tokens: keep only the prompt's last k tokens (-1: the last
             max_model_len), as vLLM's; None keeps it whole.
         structured_outputs: constrain the output to a JSON schema, regex, choice list or
@@ -85,6 +86,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    detokenize: bool = True
     truncate_prompt_tokens: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
     use_beam_search: bool = False
@@ -128,6 +130,10 @@ class SamplingParams:
                     f"beam search scores greedy log-probabilities; it cannot be combined with "
                     f"{', '.join(unsupported)}"
                 )
+        if self.stop and not self.detokenize:
+            raise ValueError(
+                "stop strings are matched in the text: set detokenize=True to use stop"
+            )
         _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "in (0, 1]")
         _check(self.top_k >= 0, "top_k", self.top_k, "0 or -1 (disabled), or a positive integer")
         _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "in [0, 1]")

@@ -156,3 +156,25 @@ def gemma_reference(gemma_vocabulary, tmp_path_factory) -> tuple[str, object]:
     path, _ = tiny_gguf(tmp_path_factory.mktemp("gemma2"), "gemma2", gemma_vocabulary)
     folder, name = os.path.split(path)
     return path, AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+
+
+# ---- the OpenAI server's tests (test_server.py, test_server_vllm_extras.py): each module
+# starts its own ``server`` fixture; these build on the one of the requesting module
+@pytest.fixture(scope="module")
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=120, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(client) -> str:
+    return client.models.list().data[0].id
+
+
+@pytest.fixture(scope="module")
+def offline_llm():
+    """The default model offline, sized as the servers (SMALL_SERVER_ARGS)."""
+    from llmserve import LLM
+
+    return LLM(max_model_len=1024, kv_cache_memory=200_000_000)

@@ -24,17 +24,25 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """``python -m llmserve.entrypoints.cli serve ...``; waits for /health, stops with SIGTERM."""
+    """``python -m llmserve.entrypoints.cli serve ...``; waits for /health, stops with SIGTERM.
+    ``env``: variables set for the server beside this process's; with ``--ssl-certfile`` the
+    URL is https (the tests' self-signed certificates are not verified)."""
 
-    def __init__(self, *args: str):
+    def __init__(self, *args: str, env: dict[str, str] | None = None):
         self.port = free_port()
-        self.url = f"http://{HOST}:{self.port}"
+        scheme = "https" if "--ssl-certfile" in args else "http"
+        self.url = f"{scheme}://{HOST}:{self.port}"
         self.log = tempfile.NamedTemporaryFile(
             prefix="llmserve-server-", suffix=".log", delete=False
         )
         command = [sys.executable, "-m", "llmserve.entrypoints.cli", "serve"]
         command += ["--host", HOST, "--port", str(self.port), *args]
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        env = {
+            **os.environ,
+            "HF_HUB_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            **(env or {}),
+        }
         self.proc = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self._wait_healthy()
 
@@ -44,7 +52,7 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.logs()}")
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                if httpx.get(self.url + "/health", timeout=2, verify=False).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass

@@ -163,6 +163,18 @@ def test_router_prefers_the_longest_cached_prefix_then_the_least_load():
     assert router.choose(prompt, [1]) == 1  # only the healthy candidates
 
 
+def test_router_keeps_salted_prefixes_apart():
+    """A salted prompt counts as cached only on the replica that saw it with that salt."""
+    router = PrefixRouter(2, block_size=4)
+    prompt = list(range(8))
+    assert router.choose(prompt, [0, 1], cache_salt="a") == 0
+    router.choose(list(range(50, 58)), [1])  # both replicas equally busy again
+    assert router.cached_blocks(0, block_hashes(prompt, 4, "a")) == 2
+    assert router.cached_blocks(0, block_hashes(prompt, 4, "b")) == 0
+    assert router.cached_blocks(0, block_hashes(prompt, 4)) == 0
+    assert router.choose(prompt, [0, 1], cache_salt="a") == 0  # its salted blocks are there
+
+
 def test_unreachable_ray_address_is_refused_before_any_work(tiny_model):
     port = free_port()  # nothing listens there
     command = [sys.executable, "-m", "llmserve.entrypoints.cli", "serve", tiny_model]

@@ -231,6 +231,17 @@ def test_bad_words_are_never_generated(llm):
         SamplingParams(bad_words=[" "])
 
 
+def test_detokenize_false_gives_tokens_only(llm):
+    """vLLM's detokenize=False: the same tokens, no text; stop strings refused (they are
+    matched in the text)."""
+    expected = _greedy(llm, SQL)
+    got = _greedy(llm, SQL, detokenize=False)
+    assert got.token_ids == expected.token_ids and expected.text
+    assert got.text == ""
+    with pytest.raises(ValueError, match="set detokenize=True to use stop"):
+        SamplingParams(stop=["\n"], detokenize=False)
+
+
 def test_tokenizer_option_takes_another_tokenizer(llm, tmp_path):
     """LLM(tokenizer=DIR): the engine tokenizes (and templates chats) with DIR's tokenizer; one
     with more tokens than the model's vocabulary is refused at load."""

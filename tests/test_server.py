@@ -31,28 +31,9 @@ def server():
 
 
 @pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=server.url + "/v1", api_key="unused", timeout=TIMEOUT_S, max_retries=0
-    )
-
-
-@pytest.fixture(scope="module")
-def model(client) -> str:
-    return client.models.list().data[0].id
-
-
-@pytest.fixture(scope="module")
 def greedy_text(client, model) -> str:
     """The server's greedy completion of PROMPT, non-streamed."""
     return complete(client, model).choices[0].text
-
-
-@pytest.fixture(scope="module")
-def offline_llm():
-    from llmserve import LLM
-
-    return LLM(max_model_len=1024, kv_cache_memory=200_000_000)
 
 
 def complete(client, model, **kwargs):
@@ -157,73 +138,6 @@ def test_chat(client, model, offline_llm):
     expected = offline_llm.chat(MESSAGES, params, use_tqdm=False)[0].outputs[0].text
     assert message.content == expected
     assert response.usage.completion_tokens <= MAX_TOKENS
-
-
-def test_chat_continues_the_final_message(server, client, model, offline_llm):
-    """continue_final_message leaves the last (assistant) message open: its tokens end the
-    prompt, no end-of-turn after them, and the reply carries it on, as offline."""
-    from llmserve import SamplingParams
-
-    begun = [*MESSAGES, {"role": "assistant", "content": "2 + 2 ="}]
-
-    def tokens(**flags):
-        body = {"messages": begun, "add_generation_prompt": False, **flags}
-        return httpx.post(server.url + "/tokenize", json=body, timeout=10).json()["tokens"]
-
-    closed, open_ = tokens(), tokens(continue_final_message=True)
-    assert len(open_) < len(closed) and closed[: len(open_)] == open_  # the end-of-turn cut
-    text = httpx.post(server.url + "/detokenize", json={"tokens": open_}, timeout=10).json()
-    assert text["prompt"].endswith("2 + 2 =")
-    flags = {"add_generation_prompt": False, "continue_final_message": True}
-    response = chat(client, model, messages=begun, extra_body=flags)
-    assert response.usage.prompt_tokens == len(open_)
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
-    offline = offline_llm.chat(begun, params, use_tqdm=False, **flags)[0]
-    assert offline.prompt_token_ids == open_
-    assert response.choices[0].message.content == offline.outputs[0].text
-    both = {"messages": begun, "continue_final_message": True}  # add_generation_prompt: true
-    for path in ("/v1/chat/completions", "/tokenize"):
-        refused = httpx.post(server.url + path, json=both, timeout=10)
-        assert refused.status_code == 400
-        assert refused.json()["error"]["param"] == "continue_final_message"
-    with pytest.raises(ValueError, match="cannot both be true"):
-        offline_llm.chat(begun, params, continue_final_message=True)
-
-
-def test_usage_counts_prompt_tokens_from_the_prefix_cache(client, model):
-    """usage.prompt_tokens_details.cached_tokens, as OpenAI's: none the first time a prompt is
-    seen, its whole blocks (16 tokens each here) the second time."""
-    prompt = " ".join(f"w{i}q{i * 7}" for i in range(20))  # seen by no other test
-    first = complete(client, model, prompt=prompt).usage
-    second = complete(client, model, prompt=prompt).usage
-    assert first.prompt_tokens_details.cached_tokens == 0
-    cached = second.prompt_tokens_details.cached_tokens
-    assert cached > 0 and cached % 16 == 0 and cached < second.prompt_tokens
-    assert second.prompt_tokens == first.prompt_tokens
-
-
-def test_allowed_token_ids_and_truncate_prompt_tokens(server, client, model):
-    """vLLM's extra fields: tokens from the allowed set only; a bad word never generated; the
-    prompt cut to its last k."""
-
-    def token_id(text: str) -> int:
-        body = {"prompt": text, "add_special_tokens": False}
-        (token,) = httpx.post(server.url + "/tokenize", json=body, timeout=10).json()["tokens"]
-        return token
-
-    allowed = [token_id(" yes"), token_id(" no")]
-    body = {"allowed_token_ids": allowed, "ignore_eos": True}
-    response = complete(client, model, temperature=1.0, seed=3, extra_body=body)
-    assert re.fullmatch("( yes| no)+", response.choices[0].text)
-    assert response.usage.completion_tokens == MAX_TOKENS
-    free = complete(client, model).choices[0].text
-    word = free.split()[0]
-    banned = complete(client, model, extra_body={"bad_words": [word]}).choices[0].text
-    assert word not in banned.split()
-    cut = complete(client, model, extra_body={"truncate_prompt_tokens": 2})
-    assert cut.usage.prompt_tokens == 2
-    reply = chat(client, model, extra_body={"truncate_prompt_tokens": 3})
-    assert reply.usage.prompt_tokens == 3
 
 
 def test_streamed_chat_equals_non_streamed(client, model):

@@ -68,7 +68,7 @@ def sweep_request_rates(
     for strategy in plan.strategies:
         engine, _ = build_engine(engine_kwargs | {"batching": strategy})
         for rate in tqdm(plan.request_rates, desc=f"rates ({strategy})", disable=not plan.use_tqdm):
-            _reset_prefix_cache(engine)  # every point starts cold, whatever ran before
+            engine.reset_prefix_cache()  # every point starts cold, whatever ran before
             offsets = arrival_times(len(requests), rate, plan.seed)
             records, elapsed, stats = drive(
                 engine,
@@ -82,12 +82,6 @@ def sweep_request_rates(
             points.append(point | latency_result(records, elapsed) | stats)
         del engine
     return points
-
-
-def _reset_prefix_cache(engine) -> None:
-    reset = getattr(engine.block_manager, "reset_prefix_cache", None)
-    if reset is not None:
-        reset()
 
 
 def run_sweep(

@@ -32,6 +32,7 @@ from llmserve.engine.async_engine import (
 )
 from llmserve.engine.async_engine import ReplicaDiedError as ReplicaDiedError
 from llmserve.engine.frontend import EngineFrontend
+from llmserve.engine.llm_engine import prompt_cache_salt
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams
 
@@ -180,8 +181,9 @@ class DataParallelEngine:
         if not healthy:
             raise ReplicaDiedError("no replica is running (they are restarting); retry shortly")
         text, token_ids = self.engine.prompt_token_ids(prompt)
-        replica = self.replicas[self.router.choose(token_ids, healthy)]
-        prompt = {"prompt": text, "prompt_token_ids": token_ids}
+        salt = prompt_cache_salt(prompt)
+        replica = self.replicas[self.router.choose(token_ids, healthy, salt)]
+        prompt = {"prompt": text, "prompt_token_ids": token_ids, "cache_salt": salt}
         stream = RequestStream(request_id)
         try:
             outputs = replica.actor.generate.options(num_returns="streaming").remote(

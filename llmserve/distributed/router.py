@@ -15,13 +15,16 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from llmserve.engine.block_manager import salt_hash
+
 MAX_BLOCKS_PER_REPLICA = 1 << 16  # a record larger than any KV pool would hold
 
 
-def block_hashes(token_ids: list[int], block_size: int) -> list[int]:
-    """Chained hashes of the full blocks of ``token_ids``."""
+def block_hashes(token_ids: list[int], block_size: int, cache_salt: str | None = None) -> list[int]:
+    """Chained hashes of the full blocks of ``token_ids`` (after ``cache_salt``'s, if any:
+    a replica's cache serves a salted prompt only to requests of the same salt)."""
     hashes: list[int] = []
-    parent = 0
+    parent = salt_hash(cache_salt) or 0
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         parent = hash((parent, tuple(token_ids[start : start + block_size])))
         hashes.append(parent)
@@ -45,11 +48,13 @@ class PrefixRouter:
                 return i
         return len(hashes)
 
-    def choose(self, token_ids: list[int], candidates: list[int]) -> int:
+    def choose(
+        self, token_ids: list[int], candidates: list[int], cache_salt: str | None = None
+    ) -> int:
         """Pick among ``candidates`` (the healthy replicas) and record the choice."""
         if not candidates:
             raise ValueError("no replica to choose from")
-        hashes = block_hashes(token_ids, self.block_size)
+        hashes = block_hashes(token_ids, self.block_size, cache_salt)
         best = min(
             candidates,
             key=lambda r: (-self.cached_blocks(r, hashes), self.in_flight[r], r),

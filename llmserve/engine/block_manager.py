@@ -45,6 +45,12 @@ def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
     return hash((parent_hash, token_ids))
 
 
+def salt_hash(cache_salt: str | None) -> int | None:
+    """The parent of a request's first block: None, or its ``cache_salt``'s own hash, so that
+    requests with different salts (tenants) never share cached blocks, even of one prompt."""
+    return None if cache_salt is None else hash(("cache_salt", cache_salt))
+
+
 class BlockManager:
     """Owns the pool's free list, reference counts and the prefix-cache map."""
 
@@ -249,7 +255,7 @@ class BlockManager:
         """The chained hashes of ``seq``'s blocks from the first not yet in ``block_hashes``
         up to block ``end`` (exclusive)."""
         hashes: list[int] = []
-        parent = seq.block_hashes[-1] if seq.block_hashes else None
+        parent = seq.block_hashes[-1] if seq.block_hashes else salt_hash(seq.request.cache_salt)
         for i in range(len(seq.block_hashes), end):
             start = i * self.block_size
             parent = hash_block(parent, tuple(seq.token_ids[start : start + self.block_size]))

@@ -1,7 +1,8 @@
 """Turn a stream of generated token ids into a stream of text deltas.
 
 ``make_detokenizer`` picks one of two with the same interface (``append``, ``finish``,
-``output_text``) and the same deltas:
+``output_text``) and the same deltas (``NoDetokenizer``, no text at all, for a request with
+``detokenize=False``):
 
 - ``StreamDetokenizer`` for a fast (Rust ``tokenizers``) tokenizer: the library's own
   ``DecodeStream``, one step per token (SmolLM2's tokenizer, 4,684 tokens of pydoc text: 0.6
@@ -32,11 +33,16 @@ def _text_after(decode: Callable[[list[int]], str], context: list[int], ids: lis
 
 
 def make_detokenizer(
-    tokenizer: Any, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True
-) -> "IncrementalDetokenizer | StreamDetokenizer":
+    tokenizer: Any,
+    prompt_token_ids: Sequence[int],
+    skip_special_tokens: bool = True,
+    detokenize: bool = True,
+) -> "IncrementalDetokenizer | StreamDetokenizer | NoDetokenizer":
     """The fast detokenizer where the tokenizer's backend is a ``tokenizers.Tokenizer`` whose
     ``decode`` adds nothing to the backend's (no ``clean_up_tokenization_spaces``), else the
-    window one."""
+    window one; none where ``detokenize`` is False."""
+    if not detokenize:
+        return NoDetokenizer()
     backend = getattr(tokenizer, "_tokenizer", None)
     if isinstance(backend, Tokenizer) and not getattr(
         tokenizer, "clean_up_tokenization_spaces", False
@@ -185,3 +191,16 @@ class StreamDetokenizer:
     def finish(self) -> str:
         """Return the held-back tail (e.g. an incomplete character, as U+FFFD) at the end."""
         return self._emit(self._held_text()) if self._held else ""
+
+
+class NoDetokenizer:
+    """``SamplingParams(detokenize=False)``: token ids only, the text stays empty (vLLM's;
+    no decoding work per token)."""
+
+    output_text = ""
+
+    def append(self, token_id: int) -> str:
+        return ""
+
+    def finish(self) -> str:
+        return ""

@@ -28,6 +28,7 @@ from llmserve.structured_output.grammar import GrammarCompiler
 logger = logging.getLogger(__name__)
 
 PromptType = str | list[int] | dict[str, Any]
+MAX_CACHE_SALT_CHARS = 128  # vLLM's limit, and its forbidden characters below
 SPEC_LOG_S = 10.0  # how often the speculative acceptance rate is logged
 
 
@@ -138,6 +139,7 @@ class LLMEngine:
     ) -> Request:
         """Validate and queue a request; raises ValueError when it can never run."""
         params = params or self.default_sampling_params()
+        cache_salt = prompt_cache_salt(prompt)
         text, prompt_ids = self.tokenize(prompt)
         keep = params.truncate_prompt_tokens
         if keep is not None:  # the prompt's last tokens (its text no longer matches them)
@@ -154,7 +156,7 @@ class LLMEngine:
         request_id = request_id if request_id is not None else f"req-{next(self._request_counter)}"
         if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        request = Request(request_id, text, prompt_ids, params, priority)
+        request = Request(request_id, text, prompt_ids, params, priority, cache_salt)
         if arrival_time is not None:
             request.metrics.arrival_time = arrival_time
         request.seqs = [
@@ -235,6 +237,12 @@ class LLMEngine:
 
         return compute_threads_bound(getattr(self.runner, "device", None))
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache; True when nothing stayed cached (blocks that unfinished
+        requests hold keep their hashes, so False while any run)."""
+        self.block_manager.reset_prefix_cache()
+        return not self.block_manager.block_hash
+
     def default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's defaults (``sampling_defaults``), vLLM's
         ``get_default_sampling_params``."""
@@ -272,10 +280,12 @@ class LLMEngine:
                 self._beam_progress(seq)
                 continue
             if seq.detokenizer is None:
+                params = seq.request.params
                 seq.detokenizer = make_detokenizer(
                     self.tokenizer,
                     seq.request.prompt_token_ids,
-                    seq.request.params.skip_special_tokens,
+                    params.skip_special_tokens,
+                    params.detokenize,
                 )
             if sample.logprobs is not None:
                 self._name_tokens(sample.logprobs)
@@ -306,7 +316,7 @@ class LLMEngine:
     def _beam_results(self, request: Request) -> None:
         params = request.params
         results = final_ranking(request.beam, params.n, params.length_penalty)
-        for h in results:
+        for h in results if params.detokenize else ():
             h.text = self.tokenizer.decode(
                 h.token_ids, skip_special_tokens=params.skip_special_tokens
             )
@@ -339,3 +349,19 @@ class LLMEngine:
         self.stats.num_steps += 1
         self.stats.num_batched_seqs += len(sched.scheduled)
         self.stats.max_batched_seqs = max(self.stats.max_batched_seqs, len(sched.scheduled))
+
+
+def prompt_cache_salt(prompt: PromptType) -> str | None:
+    """A dict prompt's ``cache_salt`` (as vLLM's prompts carry it), checked as vLLM checks it:
+    the prefix cache then shares this request's blocks only with requests of the same salt."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    if salt is None:
+        return None
+    if not isinstance(salt, str) or not salt:
+        raise ValueError(f"cache_salt must be a non-empty string, not {salt!r}")
+    if len(salt) > MAX_CACHE_SALT_CHARS or any(c in salt for c in "@/\\\0"):
+        raise ValueError(
+            f"cache_salt must be at most {MAX_CACHE_SALT_CHARS} characters and must not contain "
+            "'@', '/', '\\' or NUL"
+        )
+    return salt

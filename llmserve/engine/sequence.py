@@ -112,6 +112,7 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int = 0
+    cache_salt: str | None = None  # the prefix cache shares blocks only within one salt
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
     seqs: list[Sequence] = field(default_factory=list)
     is_forked: bool = False  # True once all n sequences exist and run

@@ -42,9 +42,10 @@ from llmserve.entrypoints.openai.protocol import (
     dump,
 )
 from llmserve.entrypoints.openai.protocol_chat import ChatCompletionRequest, ChatCompletionResponse
-from llmserve.entrypoints.openai.serving_base import EventStream, ServingBase
+from llmserve.entrypoints.openai.serving_base import EventStream, ServingBase, ServingOptions
 from llmserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from llmserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from llmserve.entrypoints.openai.stats_logger import StatsLogger, log_interval_s
 
 T = TypeVar("T")
 _PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")  # health, metrics, docs stay open
@@ -71,26 +72,38 @@ def build_app(
     api_key: str | None = None,
     model_names: list[str] | None = None,
     allowed_origins: list[str] | None = None,
+    options: ServingOptions | None = None,
+    log_stats: bool = True,
+    docs: bool = True,
 ) -> FastAPI:
     """The FastAPI app; the engine thread starts and stops with the app's lifespan.
     ``allowed_origins``: the origins whose pages a browser lets call the API (CORS; ``*``:
-    any); none: no CORS headers at all."""
+    any); none: no CORS headers at all. ``options``: the endpoints' server-wide choices;
+    ``log_stats``: the periodic stats line (stats_logger.py); ``docs``: /docs, /redoc and
+    /openapi.json."""
     names = model_names or [engine.engine.model_name]
     state = ServerState(
         engine=engine,
-        completion=OpenAIServingCompletion(engine, names),
-        chat=OpenAIServingChat(engine, names),
+        completion=OpenAIServingCompletion(engine, names, options),
+        chat=OpenAIServingChat(engine, names, options),
         metrics=ServerMetrics(engine),
         model_names=names,
     )
+    interval_s = log_interval_s() if log_stats else None  # a bad value refused before start
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         engine.start()
+        stats = None
+        if interval_s is not None:
+            stats = asyncio.get_running_loop().create_task(StatsLogger(engine).run(interval_s))
         yield
+        if stats is not None:
+            stats.cancel()
         await asyncio.to_thread(engine.stop)
 
-    app = FastAPI(title="llmserve", version=llmserve.__version__, lifespan=lifespan)
+    hidden = {} if docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="llmserve", version=llmserve.__version__, lifespan=lifespan, **hidden)
     app.state.llmserve = state
     app.openapi = lambda: openapi_schema(app, engine.engine)
     app.include_router(router)

@@ -65,10 +65,64 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         "none (default: *, any, as vLLM's)",
     )
     server.add_argument(
+        "--return-tokens-as-token-ids",
+        action="store_true",
+        help="logprobs name tokens 'token_id:N' instead of their text, unless a request says "
+        "otherwise (return_tokens_as_token_ids), as vLLM's flag",
+    )
+    server.add_argument(
         "--chat-template",
         default=None,
         help="the chat template for chat requests instead of the model's own: a Jinja file, "
         "or the template itself (vLLM's flag)",
+    )
+    server.add_argument(
+        "--enable-log-requests",
+        action="store_true",
+        help="log each request as it arrives: id, prompt, sampling parameters (vLLM's flag)",
+    )
+    server.add_argument(
+        "--disable-log-requests",
+        action="store_true",
+        help="requests are not logged unless --enable-log-requests (vLLM's older flag, "
+        "accepted so its command lines run)",
+    )
+    server.add_argument(
+        "--max-log-len",
+        type=int,
+        default=None,
+        help="most prompt characters (or token ids) a logged request shows (default: all)",
+    )
+    server.add_argument(
+        "--disable-log-stats",
+        action="store_true",
+        help="no periodic stats line (throughput, batch, KV cache; every "
+        "$LLMSERVE_LOG_STATS_INTERVAL seconds, default 10)",
+    )
+    server.add_argument(
+        "--disable-fastapi-docs",
+        action="store_true",
+        help="serve no /docs, /redoc or /openapi.json (vLLM's flag)",
+    )
+    server.add_argument(
+        "--root-path",
+        default=None,
+        help="the path prefix a reverse proxy serves the API under (FastAPI's root_path)",
+    )
+    server.add_argument("--ssl-keyfile", default=None, help="serve HTTPS: the private key file")
+    server.add_argument("--ssl-certfile", default=None, help="serve HTTPS: the certificate file")
+    server.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="tool_choice 'auto' is always on here (vLLM's flag, accepted so its command lines "
+        "run)",
+    )
+    server.add_argument(
+        "--tool-call-parser",
+        choices=["hermes"],
+        default=None,
+        help="the tool-call format the model writes: 'hermes' (<tool_call>{...}</tool_call>), "
+        "the only one read here and the default",
     )
     server.add_argument(
         "--uvicorn-log-level",
@@ -87,6 +141,7 @@ def run_server(args: argparse.Namespace) -> int:
     from llmserve.engine.async_engine import AsyncLLMEngine
     from llmserve.engine.llm_engine import LLMEngine
     from llmserve.entrypoints.openai.api_server import build_app
+    from llmserve.entrypoints.openai.serving_base import ServingOptions
 
     kwargs = engine_kwargs(args)
     if args.model_tag is not None:
@@ -97,6 +152,10 @@ def run_server(args: argparse.Namespace) -> int:
         kwargs["model"] = args.model_tag
     if args.max_num_waiting < 1:
         raise ValueError(f"--max-num-waiting must be >= 1, got {args.max_num_waiting}")
+    if args.max_log_len is not None and args.max_log_len < 0:
+        raise ValueError(f"--max-log-len must be >= 0, got {args.max_log_len}")
+    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
+        raise ValueError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
     chat_template = read_chat_template(args.chat_template) if args.chat_template else None
     config = EngineConfig.from_kwargs(**kwargs)
     if config.parallel.data_parallel_size > 1:  # N replicas on Ray (llmserve/distributed/)
@@ -115,22 +174,39 @@ def run_server(args: argparse.Namespace) -> int:
     if chat_template is not None:
         use_chat_template(engine.tokenizer, chat_template)
     origins = [o.strip() for o in args.allowed_origins.split(",") if o.strip()]
-    app = build_app(async_engine, api_key=args.api_key, allowed_origins=origins)
+    options = ServingOptions(
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+        log_requests=args.enable_log_requests,
+        max_log_len=args.max_log_len,
+    )
+    app = build_app(
+        async_engine,
+        api_key=args.api_key,
+        allowed_origins=origins,
+        options=options,
+        log_stats=not args.disable_log_stats,
+        docs=not args.disable_fastapi_docs,
+    )
     config = uvicorn.Config(
         app,
         host=args.host,
         port=args.port,
         log_level=args.uvicorn_log_level,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        root_path=args.root_path or "",
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile,
     )
     server = GracefulServer(config, on_exit=async_engine.begin_shutdown)
     logger.info(
         "model %r served as %r; %s", engine.resolved.weights_path, engine.model_name, engine.kv_info
     )
     logger.info(
-        "OpenAI-compatible API at http://%s:%d/v1 (API key %s)",
+        "OpenAI-compatible API at %s://%s:%d%s/v1 (API key %s)",
+        "https" if args.ssl_certfile else "http",
         args.host,
         args.port,
+        args.root_path or "",
         "required" if args.api_key else "not required",
     )
     _ignore_reraised_signals()

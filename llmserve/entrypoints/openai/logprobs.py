@@ -29,6 +29,14 @@ class TokenTexts:
         return self._tokenizer.decode([token_id], skip_special_tokens=False)
 
 
+class TokenIdTexts(TokenTexts):
+    """Tokens written as ``token_id:N`` (vLLM's ``return_tokens_as_token_ids``): every token
+    named exactly, those that are no text of their own (part of a UTF-8 character) too."""
+
+    def __init__(self) -> None:
+        self.text = "token_id:{}".format
+
+
 def _clamp(logprob: float) -> float:
     return _MIN_LOGPROB if math.isnan(logprob) else max(logprob, _MIN_LOGPROB)
 

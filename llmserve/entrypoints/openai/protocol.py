@@ -24,6 +24,7 @@ from pydantic import (
 from llmserve.entrypoints.openai.protocol_fields import (
     CONTINUATION_RULE,
     BestOf,
+    CacheSalt,
     NoPromptLogprobs,
     NoSuffix,
     TemplateKwargs,
@@ -84,6 +85,7 @@ class ErrorResponse(OpenAIModel):
 # ---- shared pieces ----------------------------------------------------------------------------
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: every chunk's usage so far as well
 
 
 class PromptTokensDetails(OpenAIModel):
@@ -168,6 +170,9 @@ class SamplingFields(OpenAIModel):
     include_stop_str_in_output: bool = False
     user: str | None = None
     structured_outputs: StructuredOutputsField | None = None  # vLLM's extra field
+    cache_salt: CacheSalt | None = None  # vLLM's: the prefix cache shared within one salt only
+    return_token_ids: bool = False  # vLLM's: the prompt's and the choices' token ids too
+    return_tokens_as_token_ids: bool | None = None  # vLLM's: logprob tokens as "token_id:N"
 
 
 # ---- completions ------------------------------------------------------------------------------
@@ -241,6 +246,8 @@ class CompletionChoice(OpenAIModel):
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids: this choice's (a chunk's: new ones)
+    prompt_token_ids: list[int] | None = None  # return_token_ids (a stream's first chunk)
 
 
 class CompletionResponse(OpenAIModel):

@@ -82,6 +82,7 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM's extra: the reply continues the last message
+    echo: bool = False  # vLLM's extra: the reply begins with the last message, if of its role
     chat_template_kwargs: TemplateKwargs | None = None  # vLLM's extra: the template's variables
     response_format: ResponseFormat | None = None
     tools: list[ToolDefinition] | None = None
@@ -115,6 +116,7 @@ class ChatChoice(OpenAIModel):
     logprobs: ChatLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids
 
 
 class ChatCompletionResponse(OpenAIModel):
@@ -124,6 +126,7 @@ class ChatCompletionResponse(OpenAIModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_token_ids: list[int] | None = None  # return_token_ids
 
 
 class DeltaFunctionCall(OpenAIModel):
@@ -154,6 +157,7 @@ class ChatStreamChoice(OpenAIModel):
     logprobs: ChatLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids: the chunk's new tokens
 
 
 class ChatCompletionChunk(OpenAIModel):
@@ -163,3 +167,4 @@ class ChatCompletionChunk(OpenAIModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids: in the first chunk

@@ -1,8 +1,9 @@
 """Request fields of the OpenAI API that take more than a type and bounds: the vLLM extras and
 OpenAI fields llmserve refuses rather than ignores (``best_of`` above 1, ``suffix``,
-``prompt_logprobs``), ``truncate_prompt_tokens``, ``chat_template_kwargs``, and the schema
-rule tying ``continue_final_message`` to ``add_generation_prompt``. Each refusal says what is
-allowed; each schema states the same bounds, so the OpenAPI document matches the server."""
+``prompt_logprobs``), ``truncate_prompt_tokens``, ``cache_salt``, ``chat_template_kwargs``,
+and the schema rule tying ``continue_final_message`` to ``add_generation_prompt``. Each
+refusal says what is allowed; each schema states the same bounds, so the OpenAPI document
+matches the server."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, BeforeValidator, Field
 
+from llmserve.engine.llm_engine import MAX_CACHE_SALT_CHARS, prompt_cache_salt
 from llmserve.tokenizer import TEMPLATE_ARGUMENTS
 
 
@@ -51,6 +53,25 @@ TruncatePrompt = Annotated[
     Field(ge=-1, json_schema_extra={"not": {"const": 0}}),
     BeforeValidator(_integral),
     AfterValidator(_not_zero),
+]
+
+
+def _check_cache_salt(value: str) -> str:
+    return prompt_cache_salt({"cache_salt": value})  # the engine's rule, and its message
+
+
+# cache_salt (vLLM's extra field): the prefix cache shares the request's blocks only with
+# requests of the same salt (one per tenant); vLLM's bounds
+CacheSalt = Annotated[
+    str,
+    Field(
+        json_schema_extra={
+            "minLength": 1,
+            "maxLength": MAX_CACHE_SALT_CHARS,
+            "pattern": r"^[^@/\\\x00]*$",
+        }
+    ),
+    AfterValidator(_check_cache_salt),
 ]
 
 

@@ -7,6 +7,7 @@ A request with several prompts becomes one engine request per prompt (``<id>-0``
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -16,10 +17,12 @@ from llmserve.engine.async_engine import AsyncLLMEngine
 from llmserve.engine.llm_engine import PromptType
 from llmserve.engine.request_stream import RequestStream
 from llmserve.entrypoints.openai.errors import OpenAIError, error_from_exception
-from llmserve.entrypoints.openai.logprobs import TokenTexts
+from llmserve.entrypoints.openai.logprobs import TokenIdTexts, TokenTexts
 from llmserve.entrypoints.openai.protocol import ErrorResponse, PromptTokensDetails, UsageInfo
 from llmserve.outputs import CompletionOutput, RequestOutput
 from llmserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("llmserve.requests")
 
 
 def random_id(prefix: str) -> str:
@@ -39,6 +42,15 @@ def sse_error(e: Exception) -> str:
     error = error_from_exception(e)
     body = {"message": error.message, "type": "server_error", "param": None, "code": error.status}
     return sse(ErrorResponse.model_validate({"error": body}).model_dump_json())
+
+
+@dataclass(frozen=True)
+class ServingOptions:
+    """Server-wide choices (``llmserve serve``'s flags) that the endpoints apply."""
+
+    return_tokens_as_token_ids: bool = False  # --return-tokens-as-token-ids
+    log_requests: bool = False  # --enable-log-requests
+    max_log_len: int | None = None  # --max-log-len: most prompt characters or ids logged
 
 
 @dataclass
@@ -75,12 +87,19 @@ class ChoiceProgress:
 class ServingBase:
     """Holds the engine and what the endpoints read from it."""
 
-    def __init__(self, engine: AsyncLLMEngine, model_names: list[str]) -> None:
+    def __init__(
+        self,
+        engine: AsyncLLMEngine,
+        model_names: list[str],
+        options: ServingOptions | None = None,
+    ) -> None:
         self.engine = engine
         self.model_names = model_names
         self.model_name = model_names[0]
+        self.options = options or ServingOptions()
         self.tokenizer = engine.engine.tokenizer
         self.texts = TokenTexts(self.tokenizer)
+        self.id_texts = TokenIdTexts()
         self.vocab_size: int = engine.engine.hf_config.vocab_size
         self.sampling_defaults: dict[str, Any] = engine.engine.sampling_defaults
 
@@ -94,10 +113,25 @@ class ServingBase:
                 code="model_not_found",
             )
 
+    def token_texts(self, request: Any) -> TokenTexts:
+        """How this request's logprobs name tokens: their text, or ``token_id:N``."""
+        as_ids = request.return_tokens_as_token_ids
+        if as_ids is None:
+            as_ids = self.options.return_tokens_as_token_ids
+        return self.id_texts if as_ids else self.texts
+
     async def add_all(
-        self, request_id: str, prompts: list[PromptType], params: SamplingParams, priority: int
+        self,
+        request_id: str,
+        prompts: list[PromptType],
+        params: SamplingParams,
+        priority: int,
+        cache_salt: str | None = None,
     ) -> list[RequestStream]:
-        """Queue one engine request per prompt; if any is refused, none stays queued."""
+        """Queue one engine request per prompt (each with ``cache_salt``, where given); if any
+        is refused, none stays queued."""
+        if cache_salt is not None:
+            prompts = [_as_dict(p) | {"cache_salt": cache_salt} for p in prompts]
         streams: list[RequestStream] = []
         try:
             if params.structured_outputs is not None:  # compile here, not on the engine's loop
@@ -105,6 +139,8 @@ class ServingBase:
                 await asyncio.to_thread(grammars.compile, params.structured_outputs)
             for i, prompt in enumerate(prompts):
                 request_id_i = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+                if self.options.log_requests:
+                    self._log_request(request_id_i, prompt, params)
                 streams.append(
                     await self.engine.add_request(request_id_i, prompt, params, priority)
                 )
@@ -115,6 +151,20 @@ class ServingBase:
             self.abort(streams)
             raise
         return streams
+
+    def _log_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> None:
+        """One line per engine request (--enable-log-requests), the prompt cut to
+        --max-log-len characters or ids."""
+        as_dict = _as_dict(prompt)
+        text, ids = as_dict.get("prompt"), as_dict.get("prompt_token_ids")
+        cut = self.options.max_log_len
+        logger.info(
+            "Received request %s: prompt: %r, prompt_token_ids: %s, params: %s",
+            request_id,
+            text[:cut] if text is not None else None,
+            list(ids)[:cut] if ids is not None else None,
+            params,
+        )
 
     def abort(self, streams: list[RequestStream]) -> None:
         for stream in streams:
@@ -153,6 +203,23 @@ class ServingBase:
                 task.cancel()
 
     @staticmethod
+    def running_usage(
+        request: Any, out: RequestOutput, c: CompletionOutput | None
+    ) -> UsageInfo | None:
+        """A chunk's usage so far (the prompt's tokens and choice ``c``'s; None: a chunk ahead
+        of the choice's tokens), where the request asks for it (vLLM's
+        stream_options.continuous_usage_stats)."""
+        options = request.stream_options
+        if options is None or not options.continuous_usage_stats:
+            return None
+        num_prompt, num_generated = len(out.prompt_token_ids), len(c.token_ids) if c else 0
+        return UsageInfo(
+            prompt_tokens=num_prompt,
+            completion_tokens=num_generated,
+            total_tokens=num_prompt + num_generated,
+        )
+
+    @staticmethod
     def usage(outputs: list[RequestOutput]) -> UsageInfo:
         num_prompt = sum(len(o.prompt_token_ids) for o in outputs)
         num_completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
@@ -164,6 +231,12 @@ class ServingBase:
                 cached_tokens=sum(o.num_cached_tokens for o in outputs)
             ),
         )
+
+
+def _as_dict(prompt: PromptType) -> dict[str, Any]:
+    if isinstance(prompt, dict):
+        return prompt
+    return {"prompt": prompt} if isinstance(prompt, str) else {"prompt_token_ids": prompt}
 
 
 async def _last_output(stream: RequestStream) -> RequestOutput:

@@ -62,13 +62,17 @@ class OpenAIServingChat(ServingBase):
         params = chat_params(request, self.vocab_size, schema, self.sampling_defaults)
         request_id = random_id("chatcmpl")
         prompt = {"prompt_token_ids": prompt_ids}
-        streams = await self.add_all(request_id, [prompt], params, request.priority)
+        streams = await self.add_all(
+            request_id, [prompt], params, request.priority, request.cache_salt
+        )
         if request.stream:
             return EventStream(self._stream(request, request_id, streams[0], how), streams)
         (out,) = await self.final_outputs(streams)
         choices = []
         for c in out.outputs:
             content, calls, finish_reason = _reply(request, how, c)
+            if request.echo:
+                content = _echoed(request) + (content or "")
             choices.append(
                 ChatChoice(
                     index=c.index,
@@ -76,10 +80,15 @@ class OpenAIServingChat(ServingBase):
                     logprobs=self._logprobs(request, c, 0),
                     finish_reason=finish_reason,
                     stop_reason=c.stop_reason,
+                    token_ids=list(c.token_ids) if request.return_token_ids else None,
                 )
             )
         return ChatCompletionResponse(
-            id=request_id, model=self.model_name, choices=choices, usage=self.usage([out])
+            id=request_id,
+            model=self.model_name,
+            choices=choices,
+            usage=self.usage([out]),
+            prompt_token_ids=out.prompt_token_ids if request.return_token_ids else None,
         )
 
     @property
@@ -142,7 +151,7 @@ class OpenAIServingChat(ServingBase):
             c.token_ids[first_token:],
             (c.logprobs or [])[first_token:],
             request.top_logprobs or 0,
-            self.texts,
+            self.token_texts(request),
         )
 
     async def _stream(
@@ -161,9 +170,18 @@ class OpenAIServingChat(ServingBase):
     async def _events(
         self, request: ChatCompletionRequest, request_id: str, stream: RequestStream, how: str
     ) -> AsyncIterator[str]:
-        def event(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
+        def event(
+            choices: list[ChatStreamChoice],
+            usage: UsageInfo | None = None,
+            prompt_token_ids: list[int] | None = None,
+        ) -> str:
             body = ChatCompletionChunk(
-                id=request_id, created=created, model=self.model_name, choices=choices, usage=usage
+                id=request_id,
+                created=created,
+                model=self.model_name,
+                choices=choices,
+                usage=usage,
+                prompt_token_ids=prompt_token_ids,
             )
             return sse(body.model_dump_json())
 
@@ -176,13 +194,22 @@ class OpenAIServingChat(ServingBase):
                     if c.index not in progress:
                         progress[c.index] = ChoiceProgress()
                         role = DeltaMessage(role="assistant", content="")
-                        yield event([ChatStreamChoice(index=c.index, delta=role)])
+                        first = len(progress) == 1  # the stream's first chunk
+                        ids = request.return_token_ids and first
+                        prompt_ids = out.prompt_token_ids if ids else None
+                        usage = self.running_usage(request, out, None)
+                        yield event(
+                            [ChatStreamChoice(index=c.index, delta=role)], usage, prompt_ids
+                        )
+                        if request.echo and _echoed(request):
+                            echo = DeltaMessage(content=_echoed(request))
+                            yield event([ChatStreamChoice(index=c.index, delta=echo)], usage)
                     if how != "none":  # tools: held back until the reply is known
                         choice = self._tool_chunk_choice(request, how, progress[c.index], c)
                     else:
                         choice = self._chunk_choice(request, progress[c.index], c)
                     if choice is not None:
-                        yield event([choice])
+                        yield event([choice], self.running_usage(request, out, c))
         if out is not None and request.stream_options and request.stream_options.include_usage:
             yield event([], self.usage([out]))
         yield SSE_DONE
@@ -190,7 +217,7 @@ class OpenAIServingChat(ServingBase):
     def _chunk_choice(
         self, request: ChatCompletionRequest, state: ChoiceProgress, c: CompletionOutput
     ) -> ChatStreamChoice | None:
-        advanced = state.advance(c, with_tokens=request.logprobs)
+        advanced = state.advance(c, with_tokens=request.logprobs or request.return_token_ids)
         if advanced is None:
             return None
         delta, first_token = advanced
@@ -200,6 +227,7 @@ class OpenAIServingChat(ServingBase):
             logprobs=self._logprobs(request, c, first_token),
             finish_reason=c.finish_reason,
             stop_reason=c.stop_reason,
+            token_ids=_new_token_ids(request, c, first_token),
         )
 
     def _tool_chunk_choice(
@@ -207,7 +235,7 @@ class OpenAIServingChat(ServingBase):
     ) -> ChatStreamChoice | None:
         if c.finish_reason is None:
             return None
-        advanced = state.advance(c, with_tokens=request.logprobs)
+        advanced = state.advance(c, with_tokens=request.logprobs or request.return_token_ids)
         first_token = advanced[1] if advanced is not None else 0
         content, calls, finish_reason = _reply(request, how, c)
         deltas = [
@@ -227,7 +255,27 @@ class OpenAIServingChat(ServingBase):
             logprobs=self._logprobs(request, c, first_token),
             finish_reason=finish_reason,
             stop_reason=c.stop_reason,
+            token_ids=_new_token_ids(request, c, first_token),
         )
+
+
+def _echoed(request: ChatCompletionRequest) -> str:
+    """What ``echo`` puts before the reply, as vLLM: the last message's text when it has the
+    reply's role (the assistant's; with add_generation_prompt false, the last message's own)."""
+    last = request.messages[-1]
+    role = "assistant" if request.add_generation_prompt else last.role
+    if last.role != role or not last.content:
+        return ""
+    if isinstance(last.content, str):
+        return last.content
+    return "\n".join(part.text for part in last.content)
+
+
+def _new_token_ids(
+    request: ChatCompletionRequest, c: CompletionOutput, first_token: int
+) -> list[int] | None:
+    """A chunk's new tokens where the request asked for token ids (return_token_ids)."""
+    return list(c.token_ids[first_token:]) if request.return_token_ids else None
 
 
 def _reply(

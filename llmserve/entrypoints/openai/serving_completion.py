@@ -41,7 +41,9 @@ class OpenAIServingCompletion(ServingBase):
         prompts = _prompts(request.prompt)
         params = completion_params(request, self.vocab_size, self.sampling_defaults)
         request_id = random_id("cmpl")
-        streams = await self.add_all(request_id, prompts, params, request.priority)
+        streams = await self.add_all(
+            request_id, prompts, params, request.priority, request.cache_salt
+        )
         if request.stream:
             return EventStream(self._stream(request, request_id, streams), streams)
         outputs = await self.final_outputs(streams)
@@ -68,6 +70,8 @@ class OpenAIServingCompletion(ServingBase):
             logprobs=logprobs,
             finish_reason=c.finish_reason,
             stop_reason=c.stop_reason,
+            token_ids=list(c.token_ids) if request.return_token_ids else None,
+            prompt_token_ids=out.prompt_token_ids if request.return_token_ids else None,
         )
 
     def _logprobs(
@@ -80,14 +84,13 @@ class OpenAIServingCompletion(ServingBase):
         offset: int = 0,
     ) -> CompletionLogProbs:
         num_top = request.logprobs or 0
+        texts = self.token_texts(request)
         result = CompletionLogProbs()
         if with_prompt and out.prompt_logprobs is not None:
-            result = completion_logprobs(
-                out.prompt_token_ids, out.prompt_logprobs, num_top, self.texts
-            )
+            result = completion_logprobs(out.prompt_token_ids, out.prompt_logprobs, num_top, texts)
             offset = len(self._prompt_text(out))
         generated = completion_logprobs(
-            c.token_ids[first_token:], (c.logprobs or [])[first_token:], num_top, self.texts, offset
+            c.token_ids[first_token:], (c.logprobs or [])[first_token:], num_top, texts, offset
         )
         merge_completion_logprobs(result, generated)
         return result
@@ -128,7 +131,7 @@ class OpenAIServingCompletion(ServingBase):
                 for c in out.outputs:
                     chunk = self._chunk(request, progress, i * request.n + c.index, out, c)
                     if chunk is not None:
-                        yield event([chunk])
+                        yield event([chunk], self.running_usage(request, out, c))
         if request.stream_options and request.stream_options.include_usage:
             yield event([], self.usage(list(latest.values())))
         yield SSE_DONE
@@ -144,7 +147,8 @@ class OpenAIServingCompletion(ServingBase):
         is_first = index not in progress
         state = progress.setdefault(index, ChoiceProgress())
         offset = state.num_chars + (len(self._prompt_text(out)) if request.echo else 0)
-        advanced = state.advance(c, with_tokens=request.logprobs is not None)
+        with_tokens = request.logprobs is not None or request.return_token_ids
+        advanced = state.advance(c, with_tokens=with_tokens)
         if advanced is None:
             return None
         delta, first_token = advanced
@@ -154,12 +158,15 @@ class OpenAIServingCompletion(ServingBase):
         if request.logprobs is not None:
             with_prompt = is_first and request.echo
             logprobs = self._logprobs(request, out, c, first_token, with_prompt, offset)
+        ids = request.return_token_ids
         return CompletionChoice(
             index=index,
             text=delta,
             logprobs=logprobs,
             finish_reason=c.finish_reason,
             stop_reason=c.stop_reason,
+            token_ids=list(c.token_ids[first_token:]) if ids else None,
+            prompt_token_ids=out.prompt_token_ids if ids and is_first else None,
         )
 
 
