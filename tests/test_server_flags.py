@@ -18,6 +18,7 @@ from tests.server_process import SMALL_SERVER_ARGS, ServerProcess
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="no openssl")
 
 PROMPT = "The capital of France is"
+KEY = "flag-test-key"
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +33,7 @@ def server(tmp_path_factory):
     )
     flags = ["--ssl-keyfile", str(key), "--ssl-certfile", str(cert)]
     flags += ["--enable-log-requests", "--max-log-len", "5", "--disable-log-requests"]
-    flags += ["--disable-fastapi-docs", "--root-path", "/llm"]
+    flags += ["--disable-fastapi-docs", "--root-path", "/llm", "--api-key", KEY]
     flags += ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
     env = {"LLMSERVE_LOG_STATS_INTERVAL": "0.5"}
     server = ServerProcess(*SMALL_SERVER_ARGS, *flags, env=env)
@@ -40,8 +41,9 @@ def server(tmp_path_factory):
     server.close()
 
 
-def post(server, path: str, body: dict) -> httpx.Response:
-    return httpx.post(server.url + path, json=body, timeout=60, verify=False)
+def post(server, path: str, body: dict, key: str | None = KEY) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(server.url + path, json=body, headers=headers, timeout=60, verify=False)
 
 
 def test_https_requests_are_logged_and_stats_lines_follow(server):
@@ -65,6 +67,11 @@ def test_docs_are_off_and_the_root_path_is_announced(server):
     for path in ("/docs", "/redoc", "/openapi.json"):
         assert httpx.get(server.url + path, timeout=10, verify=False).status_code == 404
     assert "/llm/v1" in server.logs()  # the URL it announces sits under the proxy's prefix
+    body = {"prompt": PROMPT, "max_tokens": 1}
+    assert post(server, "/v1/completions", body, key=None).status_code == 401  # still guarded
+    for path in ("/ping", "/health"):  # open, as vLLM's; /ping takes POST too
+        assert httpx.get(server.url + path, timeout=10, verify=False).status_code == 200
+    assert httpx.post(server.url + "/ping", timeout=10, verify=False).status_code == 200
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "tools": tools}
     assert post(server, "/v1/chat/completions", body).status_code == 200  # tool_choice auto

@@ -5,6 +5,7 @@ return_token_ids and return_tokens_as_token_ids; and cache_salt offline."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import httpx
@@ -211,3 +212,28 @@ def test_continuous_usage_stats(client, model):
         counts = [c.usage.completion_tokens for c in chunks[:-1]]
         assert counts == sorted(counts) and counts[-1] == final.completion_tokens
     assert list(chat(client, model, stream=True))[0].usage is None  # only when asked
+
+
+def test_completions_take_response_format_and_tokenize_gives_token_strs(server, client, model):
+    """response_format in /v1/completions (as vLLM's, not only chat); /tokenize's
+    return_token_strs (the byte-level tokens, a space written as "Ġ")."""
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
+        "required": ["answer"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+    choice = complete(client, model, max_tokens=48, extra_body={"response_format": fmt}).choices[0]
+    assert choice.finish_reason == "stop"
+    assert json.loads(choice.text)["answer"] in ("yes", "no")
+    body = {"prompt": PROMPT, "return_token_strs": True}
+    tokens = httpx.post(server.url + "/tokenize", json=body, timeout=10).json()
+    assert len(tokens["token_strs"]) == tokens["count"]
+    assert "".join(tokens["token_strs"]).replace("Ġ", " ") == PROMPT
+    assert (
+        httpx.post(server.url + "/tokenize", json={"prompt": PROMPT}, timeout=10).json()[
+            "token_strs"
+        ]
+        is None
+    )

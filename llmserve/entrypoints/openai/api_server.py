@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server: routes, API-key check, client-disconnect aborts.
 
     POST /v1/completions  POST /v1/chat/completions  GET /v1/models
-    POST /tokenize  POST /detokenize  GET /health  GET /version  GET /metrics  /openapi.json
+    GET /v1/models/{name}  POST /tokenize  POST /detokenize  GET /health (and /ping)
+    GET /version  GET /metrics  /openapi.json
 
 ``llmserve serve [MODEL] --host --port --api-key ...`` starts it (see ``launcher.py``).
 """
@@ -43,7 +44,7 @@ from llmserve.entrypoints.openai.protocol import (
 )
 from llmserve.entrypoints.openai.protocol_chat import ChatCompletionRequest, ChatCompletionResponse
 from llmserve.entrypoints.openai.serving_base import EventStream, ServingBase, ServingOptions
-from llmserve.entrypoints.openai.serving_chat import OpenAIServingChat
+from llmserve.entrypoints.openai.serving_chat import OpenAIServingChat, check_continuation
 from llmserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from llmserve.entrypoints.openai.stats_logger import StatsLogger, log_interval_s
 
@@ -162,7 +163,10 @@ class ApiKeyMiddleware:
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(_PROTECTED_PREFIXES):
+        path, root = scope.get("path", ""), scope.get("root_path", "")
+        if root and path.startswith(root):  # behind --root-path the path may carry the prefix
+            path = path[len(root) :]
+        if scope["type"] == "http" and path.startswith(_PROTECTED_PREFIXES):
             headers = dict(scope["headers"])
             given = headers.get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
@@ -278,6 +282,7 @@ async def tokenize(request: TokenizeRequest, raw: Request) -> TokenizeResponse:
     """Token ids of a text prompt, or of chat messages after the chat template."""
     state = _state(raw)
     state.chat.check_model(request.model)
+    check_continuation(request.continue_final_message, request.add_generation_prompt)
     if request.messages is not None:
         tokens = state.chat.apply_chat_template(
             request.messages,
@@ -292,7 +297,10 @@ async def tokenize(request: TokenizeRequest, raw: Request) -> TokenizeResponse:
     else:
         raise OpenAIError("give prompt (text) or messages", param="prompt")
     max_model_len = state.engine.engine.max_model_len
-    return TokenizeResponse(count=len(tokens), max_model_len=max_model_len, tokens=tokens)
+    strs = state.chat.tokenizer.convert_ids_to_tokens(tokens) if request.return_token_strs else None
+    return TokenizeResponse(
+        count=len(tokens), max_model_len=max_model_len, tokens=tokens, token_strs=strs
+    )
 
 
 @router.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
@@ -309,18 +317,23 @@ async def detokenize(request: DetokenizeRequest, raw: Request) -> DetokenizeResp
     return DetokenizeResponse(prompt=serving.tokenizer.decode(request.tokens))
 
 
-@router.get(
-    "/health",
-    responses={
-        200: {"content": {"application/json": {"schema": {"type": "object"}}}},
-        503: {"model": ErrorResponse},
-    },  # fmt: skip
-)
+_HEALTH_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"application/json": {"schema": {"type": "object"}}}},
+    503: {"model": ErrorResponse},
+}
+
+
+@router.get("/health", responses=_HEALTH_RESPONSES)
 async def health(raw: Request) -> Response:
     """200 while the engine thread runs, 503 once it stopped."""
     if not _state(raw).engine.is_alive:
         return error_response(503, "the engine is not running")
     return JSONResponse({"status": "ok"})
+
+
+router.add_api_route(  # vLLM's alias of /health (SageMaker's health check)
+    "/ping", health, methods=["GET", "POST"], responses=_HEALTH_RESPONSES
+)
 
 
 @router.get("/version", response_model=VersionResponse)

@@ -170,6 +170,7 @@ class SamplingFields(OpenAIModel):
     include_stop_str_in_output: bool = False
     user: str | None = None
     structured_outputs: StructuredOutputsField | None = None  # vLLM's extra field
+    response_format: ResponseFormat | None = None  # completions too, as vLLM's
     cache_salt: CacheSalt | None = None  # vLLM's: the prefix cache shared within one salt only
     return_token_ids: bool = False  # vLLM's: the prompt's and the choices' token ids too
     return_tokens_as_token_ids: bool | None = None  # vLLM's: logprob tokens as "token_id:N"
@@ -208,6 +209,9 @@ class CompletionRequest(SamplingFields):
                     "logprobs": {"type": "null"},
                     "min_tokens": {"const": 0},
                     "structured_outputs": {"type": "null"},
+                    "response_format": {
+                        "anyOf": [{"type": "null"}, {"properties": {"type": {"const": "text"}}}]
+                    },
                     "logit_bias": {"anyOf": [{"type": "null"}, {"maxProperties": 0}]},
                     "allowed_token_ids": {"type": "null"},
                     "bad_words": {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}]},
@@ -319,12 +323,14 @@ class TokenizeRequest(OpenAIModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: TemplateKwargs | None = None
+    return_token_strs: bool = False  # vLLM's: each token's own string too (token_strs)
 
 
 class TokenizeResponse(OpenAIModel):
     count: int
     max_model_len: int
     tokens: list[int]
+    token_strs: list[str] | None = None
 
 
 class DetokenizeRequest(OpenAIModel):

@@ -16,7 +16,6 @@ from llmserve.entrypoints.openai.protocol import (
     Int,
     MaxTokens,
     OpenAIModel,
-    ResponseFormat,
     SamplingFields,
     TemplateKwargs,
     ToolCall,
@@ -84,7 +83,6 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False  # vLLM's extra: the reply continues the last message
     echo: bool = False  # vLLM's extra: the reply begins with the last message, if of its role
     chat_template_kwargs: TemplateKwargs | None = None  # vLLM's extra: the template's variables
-    response_format: ResponseFormat | None = None
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True

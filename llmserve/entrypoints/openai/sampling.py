@@ -24,6 +24,7 @@ def completion_params(
         max_tokens=request.max_tokens,
         logprobs=request.logprobs,
         prompt_logprobs=request.logprobs if wants_prompt_logprobs else None,
+        structured=_response_format(request),
         defaults=defaults,
     )
     if not request.use_beam_search:  # beam_width alone changes nothing
@@ -71,7 +72,7 @@ def chat_params(
     )
 
 
-def _response_format(request: ChatCompletionRequest) -> dict[str, Any] | None:
+def _response_format(request: SamplingFields) -> dict[str, Any] | None:
     """OpenAI's ``response_format`` as a structured-output constraint (None for text)."""
     fmt = request.response_format
     if fmt is None or fmt.type == "text":

@@ -114,12 +114,7 @@ class OpenAIServingChat(ServingBase):
                 "or the templating call's",
                 param="chat_template_kwargs",
             )
-        if continue_final_message and add_generation_prompt:
-            raise OpenAIError(
-                "continue_final_message and add_generation_prompt cannot both be true: set "
-                "add_generation_prompt to false to continue the last message",
-                param="continue_final_message",
-            )
+        check_continuation(continue_final_message, add_generation_prompt)
         conversation = [
             m if isinstance(m, dict) else tool_calls.message_dict(m, self.template_has_tools)
             for m in messages
@@ -256,6 +251,16 @@ class OpenAIServingChat(ServingBase):
             finish_reason=finish_reason,
             stop_reason=c.stop_reason,
             token_ids=_new_token_ids(request, c, first_token),
+        )
+
+
+def check_continuation(continue_final_message: bool, add_generation_prompt: bool) -> None:
+    """The schema's rule: continuing the last message asks for no new turn."""
+    if continue_final_message and add_generation_prompt:
+        raise OpenAIError(
+            "continue_final_message and add_generation_prompt cannot both be true: set "
+            "add_generation_prompt to false to continue the last message",
+            param="continue_final_message",
         )
 
 
