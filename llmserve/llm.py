@@ -170,8 +170,6 @@ class LLM:
 
     @staticmethod
     def _per_prompt(params, num_prompts: int) -> list[SamplingParams]:
-        if params is None:
-            return [SamplingParams()] * num_prompts
         if isinstance(params, SamplingParams):
             return [params] * num_prompts
         params = list(params)

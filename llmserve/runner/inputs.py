@@ -76,10 +76,10 @@ def build_step_inputs(
     tables = [c.block_ids + [0] * (max_blocks - len(c.block_ids)) for c in chunks]
     meta = AttentionMetadata(
         num_decodes=sum(1 for n in query_lens if n == 1),
-        query_start_loc=_tensor(query_start, torch.int32, device),
-        seq_lens=_tensor(seq_lens, torch.int32, device),
-        block_tables=_tensor(tables, torch.int32, device),
-        slot_mapping=_tensor(slots, torch.int64, device),
+        query_start_loc=device_tensor(query_start, torch.int32, device),
+        seq_lens=device_tensor(seq_lens, torch.int32, device),
+        block_tables=device_tensor(tables, torch.int32, device),
+        slot_mapping=device_tensor(slots, torch.int64, device),
         max_query_len=max(query_lens),
         max_seq_len=max(seq_lens),
         query_lens_cpu=query_lens,
@@ -87,12 +87,12 @@ def build_step_inputs(
     )
     if attention_backend in ("torch", "cpp"):
         meta.plan = build_plan(meta, bs, native_decode=attention_backend == "cpp")
-    rows = _tensor(logits_indices, torch.int64, device)
+    rows = device_tensor(logits_indices, torch.int64, device)
     if prune_outputs and len(logits_indices) < len(input_ids):
         meta.output_rows = rows
     return StepInputs(
-        input_ids=_tensor(input_ids, torch.int64, device),
-        positions=_tensor(positions, torch.int64, device),
+        input_ids=device_tensor(input_ids, torch.int64, device),
+        positions=device_tensor(positions, torch.int64, device),
         meta=meta,
         logits_indices=rows,
     )
@@ -108,5 +108,7 @@ def _rows(chunk: Chunk) -> list[Chunk]:
     ]
 
 
-def _tensor(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def device_tensor(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a tensor on ``device`` (copied without waiting; the step's inputs, the
+    sampler's indices and parameters)."""
     return torch.tensor(data, dtype=dtype).to(device, non_blocking=True)

@@ -11,12 +11,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from llmserve.runner.inputs import device_tensor
+
 if TYPE_CHECKING:
     from llmserve.runner.sampler import SamplingRow
-
-
-def _on(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
 def _tail(tokens: Sequence[int], k: int) -> list[int]:
@@ -52,7 +50,7 @@ def apply_bad_words(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
                 banned_ids.append(word[-1])
     if not banned_rows:
         return logits
-    index = _on([banned_rows, banned_ids], torch.int64, logits.device)
+    index = device_tensor([banned_rows, banned_ids], torch.int64, logits.device)
     return logits.index_put((index[0], index[1]), torch.tensor(-math.inf, device=logits.device))
 
 
@@ -68,8 +66,8 @@ def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
                 biases.append(bias)
     if not row_ids:
         return logits
-    index = _on([row_ids, token_ids], torch.int64, logits.device)  # [2, num_biases]
-    values = _on(biases, logits.dtype, logits.device)  # [num_biases]
+    index = device_tensor([row_ids, token_ids], torch.int64, logits.device)  # [2, num_biases]
+    values = device_tensor(biases, logits.dtype, logits.device)  # [num_biases]
     return logits.index_put((index[0], index[1]), values, accumulate=True)
 
 
@@ -91,6 +89,6 @@ def apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
         token_ids += banned
     if not row_ids:
         return logits
-    index = _on([row_ids, token_ids], torch.int64, logits.device)  # [2, num_banned]
+    index = device_tensor([row_ids, token_ids], torch.int64, logits.device)  # [2, num_banned]
     minus_inf = torch.tensor(-math.inf, dtype=logits.dtype, device=logits.device)
     return logits.index_put((index[0], index[1]), minus_inf)

@@ -27,6 +27,7 @@ import torch
 
 from llmserve.kernels import cpu as cpu_kernels
 from llmserve.outputs import Logprob
+from llmserve.runner.inputs import device_tensor
 from llmserve.runner.logit_stages import (
     apply_allowed_tokens,
     apply_bad_words,
@@ -161,17 +162,13 @@ class SamplingTensors:
         min_ps = [p.min_p for p in params]
         used_ks = [k for k in top_ks if k < vocab_size]
         return cls(
-            temperature=_tensor([p.temperature for p in params], torch.float32, device),
-            top_k=_tensor(top_ks, torch.int64, device) if used_ks else None,
+            temperature=device_tensor([p.temperature for p in params], torch.float32, device),
+            top_k=device_tensor(top_ks, torch.int64, device) if used_ks else None,
             max_top_k=max(used_ks, default=vocab_size),
             num_candidates=max(top_ks),
-            top_p=_tensor(top_ps, torch.float32, device) if min(top_ps) < 1.0 else None,
-            min_p=_tensor(min_ps, torch.float32, device) if max(min_ps) > 0.0 else None,
+            top_p=device_tensor(top_ps, torch.float32, device) if min(top_ps) < 1.0 else None,
+            min_p=device_tensor(min_ps, torch.float32, device) if max(min_ps) > 0.0 else None,
         )
-
-
-def _tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
 def _apply_row_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -182,7 +179,7 @@ def _apply_row_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch
     sub_rows = [rows[i] for i in penalized]
     index = None
     if len(penalized) < len(rows):
-        index = _tensor(penalized, torch.int64, logits.device)  # [num_penalized]
+        index = device_tensor(penalized, torch.int64, logits.device)  # [num_penalized]
     result = apply_penalties(
         logits if index is None else logits[index],
         prompt_token_ids=[row.prompt_token_ids for row in sub_rows],
@@ -218,7 +215,7 @@ def _sample(logits: torch.Tensor, rows: list[SamplingRow], kernels: str) -> torc
         return greedy(logits, kernels)
     if len(random_rows) == len(rows):
         return _random_sample(logits, rows, kernels)
-    index = _tensor(random_rows, torch.int64, logits.device)  # [num_random]
+    index = device_tensor(random_rows, torch.int64, logits.device)  # [num_random]
     random = [rows[i] for i in random_rows]
     sampled = _random_sample(logits[index], random, kernels)  # [num_random]
     return greedy(logits, kernels).index_copy(0, index, sampled)
@@ -245,7 +242,7 @@ def _random_sample(logits: torch.Tensor, rows: list[SamplingRow], kernels: str) 
         has_k = (knobs.top_k < vocab_size).tolist()
         for wanted in (True, False):
             group = [i for i, k in enumerate(has_k) if k == wanted]
-            index = _tensor(group, torch.int64, logits.device)
+            index = device_tensor(group, torch.int64, logits.device)
             sampled[index] = _random_sample(logits[index], [rows[i] for i in group], kernels)
         return sampled
     return draw_tokens(_truncated_probs(logits, knobs), generators)
@@ -278,7 +275,7 @@ def argmax_and_probs(
     random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
     if not random_rows:
         return argmax, random_rows, None
-    index = _tensor(random_rows, torch.int64, logits.device)
+    index = device_tensor(random_rows, torch.int64, logits.device)
     p = sampling_probs(logits[index], [rows[i] for i in random_rows])  # fp32
     return argmax, random_rows, p / p.sum(dim=-1, keepdim=True)  # min-p leaves rows unnormalized
 
@@ -340,7 +337,7 @@ def _sampled_logprobs(
     result: list[dict[int, Logprob] | None] = [None] * len(rows)
     if not wanted:
         return result
-    index = _tensor(wanted, torch.int64, raw_logits.device)  # [num_wanted]
+    index = device_tensor(wanted, torch.int64, raw_logits.device)  # [num_wanted]
     num_logprobs = [rows[i].params.logprobs for i in wanted]
     dicts = top_logprobs(raw_logits[index], sampled[index], num_logprobs)
     for i, logprobs in zip(wanted, dicts, strict=True):
