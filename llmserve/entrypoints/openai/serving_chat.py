@@ -68,11 +68,12 @@ class OpenAIServingChat(ServingBase):
         if request.stream:
             return EventStream(self._stream(request, request_id, streams[0], how), streams)
         (out,) = await self.final_outputs(streams)
+        echoed = _echoed(request)
         choices = []
         for c in out.outputs:
             content, calls, finish_reason = _reply(request, how, c)
             if request.echo:
-                content = _echoed(request) + (content or "")
+                content = echoed + (content or "")
             choices.append(
                 ChatChoice(
                     index=c.index,
@@ -181,6 +182,7 @@ class OpenAIServingChat(ServingBase):
             return sse(body.model_dump_json())
 
         created = int(time.time())
+        echoed = _echoed(request)
         progress: dict[int, ChoiceProgress] = {}
         out: RequestOutput | None = None
         async with aclosing(self.merged([stream])) as outputs:
@@ -196,8 +198,8 @@ class OpenAIServingChat(ServingBase):
                         yield event(
                             [ChatStreamChoice(index=c.index, delta=role)], usage, prompt_ids
                         )
-                        if request.echo and _echoed(request):
-                            echo = DeltaMessage(content=_echoed(request))
+                        if echoed:
+                            echo = DeltaMessage(content=echoed)
                             yield event([ChatStreamChoice(index=c.index, delta=echo)], usage)
                     if how != "none":  # tools: held back until the reply is known
                         choice = self._tool_chunk_choice(request, how, progress[c.index], c)
@@ -265,15 +267,12 @@ def check_continuation(continue_final_message: bool, add_generation_prompt: bool
 
 
 def _echoed(request: ChatCompletionRequest) -> str:
-    """What ``echo`` puts before the reply, as vLLM: the last message's text when it has the
-    reply's role (the assistant's; with add_generation_prompt false, the last message's own)."""
+    """What ``echo`` puts before the reply, as vLLM: the last message's text (as the template
+    saw it) when it has the reply's role (the assistant's; with add_generation_prompt false,
+    the last message's own); empty without ``echo``."""
     last = request.messages[-1]
     role = "assistant" if request.add_generation_prompt else last.role
-    if last.role != role or not last.content:
-        return ""
-    if isinstance(last.content, str):
-        return last.content
-    return "\n".join(part.text for part in last.content)
+    return tool_calls.message_text(last) if request.echo and last.role == role else ""
 
 
 def _new_token_ids(

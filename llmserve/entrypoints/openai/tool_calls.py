@@ -126,14 +126,19 @@ def conversation(
     return messages, None
 
 
-def message_dict(message: ChatMessage, template_has_tools: bool) -> dict[str, Any]:
-    """A message as the template wants it (text content, tool calls and results)."""
+def message_text(message: ChatMessage) -> str:
+    """A message's content as one text (its text parts joined), as the template sees it."""
     content = message.content
     if isinstance(content, list):
         if any(part.type != "text" for part in content):
             raise OpenAIError("only text content parts are supported", param="messages")
         content = "".join(part.text or "" for part in content)
-    result: dict[str, Any] = {"role": message.role, "content": content or ""}
+    return content or ""
+
+
+def message_dict(message: ChatMessage, template_has_tools: bool) -> dict[str, Any]:
+    """A message as the template wants it (text content, tool calls and results)."""
+    result: dict[str, Any] = {"role": message.role, "content": message_text(message)}
     if message.name is not None:
         result["name"] = message.name
     if message.tool_calls:
