@@ -1,4 +1,5 @@
-"""How ordered the KV block tables stay as an engine is used (docs/benchmarks.md, "A used engine").
+"""How ordered the KV block tables stay as an engine is used (docs/bench/journal.md, "A used
+engine").
 
 "Follows" is the fraction of the running tables' blocks whose id is their predecessor's plus
 one, summed over every step: the decode attention kernel reads such runs faster than

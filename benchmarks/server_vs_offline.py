@@ -13,7 +13,7 @@ of its own (a seed per pair), so no pair finds an earlier one's in a prefix cach
 get the same 1 GiB of KV cache as benchmarks/side_by_side.py gives. Printed: each pair's
 output tok/s and ratio, and the median ratio against the target (>= 0.95). The side by side's
 server / offline figure is one such pair per round and client, minutes apart; on an Intel VM
-its pairs read 0.90-1.15 where pairs back to back read 0.95-1.12 (docs/benchmarks.md).
+its pairs read 0.90-1.15 where pairs back to back read 0.95-1.12 (docs/bench/journal.md).
 Every command's output is kept in --out, with results.json.
 """
 
