@@ -11,7 +11,8 @@
 #
 # Each step has its own time limit and writes under $OUT as it goes, so a cut-short run still
 # returns what it finished. Order: CUDA tests, the AMX GEMM on the host CPU (where it has AMX:
-# issue 17's Intel bf16 question), the attention/graphs table, agreement with transformers.
+# issue 17's Intel bf16 question), the attention/graphs table, agreement with transformers,
+# the batch-1 decode profile (where a step's time goes: gpu_decode_profile.py).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_checks}
@@ -86,3 +87,10 @@ fi
             --dtype float32 --output-json "$OUT/vs_transformers_fp32.json"
     step done
 } > "$OUT/vs_transformers.txt" 2>&1
+
+{
+    step "batch-1 decode profile, random 1B Llama, bf16: host loop or kernels (MBU 0.25 in 11-29)"
+    timeout 120 python3 benchmarks/gpu_decode_profile.py --model /tmp/r1b --dtype bfloat16 \
+        --output-json "$OUT/decode_profile.json"
+    step done
+} > "$OUT/decode_profile.txt" 2>&1

@@ -24,7 +24,7 @@ hand is free, and the decode attention kernel reads such runs 1.2x faster than s
 blocks (the hardware prefetchers follow them). An LRU list hands out blocks in the order they
 were freed, and a used engine's tables drift from runs to scatter: measured on an AMD Zen 5
 host (fp32, 64 x 256/128, one engine, ``benchmarks/block_order.py engine``), 68 -> 75 ms a
-median decode step by the fifth batch (docs/benchmarks.md, "A used engine").
+median decode step by the fifth batch (docs/bench/journal.md, "A used engine").
 
 Swap space (``num_swap_blocks`` slots outside the pool, vLLM's ``--swap-space``): a sequence
 preempted by swapping has its blocks copied to free slots and released (``swap_out``), and

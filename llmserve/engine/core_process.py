@@ -14,7 +14,7 @@ from the server's HTTP work (vLLM's design; ``llmserve serve --engine-core-proce
 In one process the HTTP handlers and the engine share the GIL: a streamed chunk the event
 loop writes can make the engine thread wait for the GIL between two kernels. Here the
 server's CPU time only competes for the cores. Measured on a 2-core AMD Zen 5 host (bf16,
-64 requests of 256/128 at once, docs/benchmarks.md), that made no difference to throughput:
+64 requests of 256/128 at once, docs/bench/journal.md), that made no difference to throughput:
 the server's decode steps ran 7-19% longer than the same steps offline in either design, so
 the GIL is not what slows them there; the thread stays the default (measured twice since,
 either ahead by 1-3%: inside the VM's spread). A core that crashes

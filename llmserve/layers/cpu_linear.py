@@ -62,7 +62,7 @@ weight packed once skips that. Two kernels:
   rows take ``kernels.cpu.linear_bf16_amx`` (gemm_amx.cpp: AMX tiles on ``linear_bf16_pack``'s
   weight, streamed front to back) from a second copy, oneDNN the rest. On a Sapphire Rapids
   class VM oneDNN's decode linears (batch 64) streamed their weights at 4-14 GB/s, half the
-  memory's rate at best (docs/benchmarks.md, 2026-11-27). Off by default (``0``): timed on an
+  memory's rate at best (docs/bench/journal.md, 2026-11-27). Off by default (``0``): timed on an
   AMX host (the GPU machine's CPU, 2026-11-29, two threads) it is level with oneDNN alone
   (ahead at 8-64 rows, behind at 128) but no faster in the engine: the batch-64 decode step's
   matmuls 31-34 ms against 27-35, the LM head and gate|up slower, offline 449 / 568 tok/s

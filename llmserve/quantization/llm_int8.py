@@ -18,7 +18,7 @@ Forward, per call, for ``x [T, K]``:
 
 On the CPU the int8 product and its scaling run in one call of llmserve's integer GEMM
 (``kernels/cpu/quant_gemm.cpp``: AVX-512 VNNI or AVX2, int32 dots per block of 32 columns,
-scaled in fp32): about 10x faster than ``torch._int_mm`` on an AVX2 CPU (docs/benchmarks.md);
+scaled in fp32): about 10x faster than ``torch._int_mm`` on an AVX2 CPU (docs/bench/journal.md);
 elsewhere, or without the kernels, ``torch._int_mm``.
 """
 

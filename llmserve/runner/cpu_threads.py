@@ -7,9 +7,9 @@ regions then wait at their barriers for a thread that was moved or is sharing a 
 sibling. vLLM's CPU worker pins its OpenMP threads for that reason (VLLM_CPU_OMP_THREADS_BIND);
 llmserve does the same. Measured on a 2-core Zen 4 VM, alternated runs with and without: 1-3%
 more output tok/s in the means of the server at once and the offline batches (bf16 text2sql
-7.5%), and a narrower spread between runs (docs/benchmarks.md, "compute threads pinned").
+7.5%), and a narrower spread between runs (docs/bench/journal.md, "compute threads pinned").
 On a 2-core Intel Sapphire Rapids class VM the bf16 server read the other way: unpinned ahead
-in six of seven alternated rounds, by 4.6-6% in the means (offline alike; docs/benchmarks.md,
+in six of seven alternated rounds, by 4.6-6% in the means (offline alike; docs/bench/journal.md,
 "An Intel Sapphire Rapids class host again"), so auto pins nothing on Intel CPUs.
 
 ``LLMSERVE_CPU_OMP_THREADS_BIND`` (vLLM's variable under llmserve's prefix):

@@ -226,7 +226,7 @@ def _random_sample(logits: torch.Tensor, rows: list[SamplingRow], kernels: str) 
     top_k, the C++ ``draw_rows`` (``kernels="cpp"``, CPU) reads the logits as they are and
     draws with no copy of them and no sort: [64, 49152] in about 0.5 ms with the temperature
     alone, where torch's path makes three fp32 copies, and a few ms with top-p, where torch's
-    sorts (SmolLM2 offline, 64 x 256/128 at temperature 1: docs/benchmarks.md)."""
+    sorts (SmolLM2 offline, 64 x 256/128 at temperature 1: docs/bench/journal.md)."""
     vocab_size = logits.shape[-1]
     knobs = SamplingTensors.from_params([r.params for r in rows], vocab_size, logits.device)
     generators = [row.generator for row in rows]

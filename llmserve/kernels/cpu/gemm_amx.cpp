@@ -5,7 +5,7 @@
 //   linear_bf16_amx(x [M, K], packed, N, bias?, emulate)  -> y [M, N]   (K a multiple of 32)
 //   amx_ready()  -> whether this CPU has the tiles and the OS lets this process use them
 //
-// Why: on an AMX host (a Sapphire Rapids class VM, 2 cores, docs/benchmarks.md, 2026-11-27)
+// Why: on an AMX host (a Sapphire Rapids class VM, 2 cores, docs/bench/journal.md, 2026-11-27)
 // oneDNN ran a bf16 decode step's linears (batch 64) at 272-929 GFLOP/s, its weights streaming
 // at 4-14 GB/s, half the memory's rate at best, and slower inside the step than alone; our
 // vdpbf16ps GEMM streams well but tops out at 175-194 GFLOP/s there, too little at 64 rows.

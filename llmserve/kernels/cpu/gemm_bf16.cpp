@@ -27,7 +27,7 @@
 // KB for the default model: from L2 after the first tile), its sums never leaving the
 // registers; each tile asks for its share of the chunk's next panel while it multiplies.
 // Each output is one in-order fp32 sum over k, so a row's result does not depend on the rows
-// beside it. Measured in docs/benchmarks.md (Zen 4, 2026-11-27). The first version walked a
+// beside it. Measured in docs/bench/journal.md (Zen 4, 2026-11-27). The first version walked a
 // panel slice by slice of K (64 pairs, L1-resident across the row tiles) with the tiles' sums
 // in a per-thread scratch between slices, as the fp32 GEMM does by default; whole panels
 // measured faster (Zen 4, the default model's four layer shapes, 30 weight copies, one
@@ -77,7 +77,7 @@ constexpr int64_t kAheadEvery = 32;
 // tile's first pairs. One thread, 40 weight copies from memory (huge pages), the default
 // model's q|k|v, gate|up and down shapes, widened, on an Intel Xeon VM (family 6 model 207),
 // the fastest of 3,000 calls, alternated: M = 64 155-175 -> 171-181 GFLOP/s; M = 8 (one tile
-// a panel) in groups read 67-125 against 89-170 a pair every pair (docs/benchmarks.md).
+// a panel) in groups read 67-125 against 89-170 a pair every pair (docs/bench/journal.md).
 template <typename Step>
 __attribute__((always_inline)) inline void over_pairs(int64_t kc, const char* ahead,
                                                       int64_t ahead_pairs, const Step& step) {

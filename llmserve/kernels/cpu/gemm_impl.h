@@ -18,7 +18,7 @@ static_assert(kPanel % kTileCols == 0, "a panel must split into whole tiles");
 // k's of a tile between its asks for its share of the next panel (or slice): Ahead spreads
 // the share evenly over the tile's k's, where its first k's asked for three lines each
 // before. Measured on an Intel Xeon VM (family 6 model 207) in a scratch harness
-// (docs/benchmarks.md): one thread, 30+ weight copies from memory, the fastest of 3,000
+// (docs/bench/journal.md): one thread, 30+ weight copies from memory, the fastest of 3,000
 // calls, M = 64 panel by panel, three layer shapes: 147-155 -> 185-196 GFLOP/s (the weight in
 // L2: 195-212); slice by slice 143-146 -> 180-183; M = 32 109-117 -> 140-145; a group every
 // 16 k's 161-181, every 64 156-191. The AVX2 path on the same host: 90-107 -> 98-108 at M =

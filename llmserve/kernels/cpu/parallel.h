@@ -48,7 +48,7 @@ inline void parallel_take(int64_t n, int64_t grain, const F& f) {
 // each thread claims its next chunk before it works on the current one, so f knows where
 // that thread reads next (``next``: the next chunk's begin, or -1 where there is none). A
 // thread the OS preempts holds one chunk more than with parallel_take (measured even in
-// the server on Zen 5: docs/benchmarks.md).
+// the server on Zen 5: docs/bench/journal.md).
 template <typename F>
 inline void parallel_take_ahead(int64_t n, int64_t grain, const F& f) {
   on_taking_threads(n, grain, [&](std::atomic<int64_t>& next, int64_t chunks, int64_t g) {
