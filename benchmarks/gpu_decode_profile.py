@@ -1,6 +1,6 @@
 """Where a batch-1 decode step's time goes: the host's engine loop, or the device's kernels.
 
-    python benchmarks/gpu_decode_profile.py --model DIR [--load-format dummy] [--tokens 128] \
+    python benchmarks/gpu_decode_profile.py [--model DIR] [--load-format dummy] [--tokens 128] \
         [--output-json F]
 
 Loads the model (on a GPU with CUDA graphs, as ``llmserve bench attention`` times them; the
@@ -17,8 +17,8 @@ over the decode steps:
 Why: batch-1 MBU on the H200 read 0.25 (docs/benchmarks.md, "GPU a third time"); a 1.64 GB
 step at 0.6 of 4.8 TB/s is 0.57 ms. A large idle share says the host (the engine's Python
 between two replays) is the limit, device ms far above 0.57 says the kernels are. On a
-machine without a GPU it runs on the CPU (device time is then the CPU's own ops), which
-checks the script, not the GPU.
+machine without a GPU it runs on the CPU with the host profile alone (the CPU kernels are
+host functions there), which checks the script and shows the CPU step's host side.
 """
 
 from __future__ import annotations
@@ -62,23 +62,18 @@ def decode_steps(engine, prompt: list[int], tokens: int) -> list[float]:
     return times
 
 
-def device_profile(engine, prompt: list[int], tokens: int, on_cuda: bool) -> dict:
-    """Kernels a step, device ms a step and the top kernels, from torch.profiler."""
+def device_profile(engine, prompt: list[int], tokens: int) -> dict:
+    """Kernels a step, device ms a step and the top kernels, from torch.profiler (CUDA)."""
     from torch.profiler import ProfilerActivity, profile
 
-    activity = ProfilerActivity.CUDA if on_cuda else ProfilerActivity.CPU
-    with profile(activities=[ProfilerActivity.CPU, activity]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         steps = decode_steps(engine, prompt, tokens)
-    kind = "cuda" if on_cuda else "cpu"
-    events = [e for e in prof.events() if e.device_type.name.lower() == kind]
-    if not on_cuda:  # the CPU's own ops: only the leaves (aten ops inside ops double count)
-        events = [e for e in events if not e.cpu_children]
     total_us = Counter()
     count = Counter()
-    for e in events:
-        us = e.device_time if on_cuda else e.cpu_time
-        total_us[e.name] += us
-        count[e.name] += 1
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            total_us[e.name] += e.device_time
+            count[e.name] += 1
     n = len(steps)
     return {
         "steps": n,
@@ -111,7 +106,7 @@ def host_profile(engine, prompt: list[int], tokens: int) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", required=True)
+    parser.add_argument("--model", default=None, help="default: the default model")
     parser.add_argument("--load-format", default="auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--prompt-len", type=int, default=32)
@@ -128,18 +123,18 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if on_cuda else "cpu",
         "wall_ms_per_step_median": wall[len(wall) // 2] * 1e3,
         "wall_ms_per_step_mean": sum(wall) / len(wall) * 1e3,
-        "device_profile": device_profile(engine, prompt, args.tokens, on_cuda),
-        "host_profile": host_profile(engine, prompt, args.tokens),
     }
-    dev = result["device_profile"]
-    result["idle_share"] = 1 - dev["device_ms_per_step"] / result["wall_ms_per_step_mean"]
     print(f"{result['device']}: wall {result['wall_ms_per_step_median']:.3f} ms a step "
-          f"(median; mean {result['wall_ms_per_step_mean']:.3f}), device "
-          f"{dev['device_ms_per_step']:.3f} ms in {dev['kernels_per_step']:.0f} kernels a step, "
-          f"idle share {result['idle_share']:.2f}")  # fmt: skip
-    print("\ntop kernels (ms a step, calls a step):")
-    for k in dev["top"]:
-        print(f"  {k['ms_per_step']:8.4f} {k['calls_per_step']:6.1f}  {k['name']}")
+          f"(median; mean {result['wall_ms_per_step_mean']:.3f})")  # fmt: skip
+    if on_cuda:  # on the CPU the model's own kernels are host functions: cProfile shows them
+        dev = result["device_profile"] = device_profile(engine, prompt, args.tokens)
+        result["idle_share"] = 1 - dev["device_ms_per_step"] / result["wall_ms_per_step_mean"]
+        print(f"device {dev['device_ms_per_step']:.3f} ms in {dev['kernels_per_step']:.0f} "
+              f"kernels a step, idle share {result['idle_share']:.2f}")  # fmt: skip
+        print("\ntop kernels (ms a step, calls a step):")
+        for k in dev["top"]:
+            print(f"  {k['ms_per_step']:8.4f} {k['calls_per_step']:6.1f}  {k['name']}")
+    result["host_profile"] = host_profile(engine, prompt, args.tokens)
     print("\ntop host functions, self time (ms a step, calls a step; under cProfile):")
     for h in result["host_profile"]:
         print(f"  {h['self_ms_per_step']:8.4f} {h['calls_per_step']:7.1f}  {h['function']}")
