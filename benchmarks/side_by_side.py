@@ -21,6 +21,11 @@ prompts of its own (a seed per run and round, the same for both engines), so no 
 earlier one's prompts in a prefix cache. Even rounds run the four parts in reverse order, so
 a VM that speeds up or slows down over a run (10% within minutes on the hosts measured)
 favours neither engine.
+With --paired both servers stay up through a round's client runs and each run goes to both
+back to back, the first engine alternating run by run (the four parts become three): an
+engine's figure and its peer's are then a minute apart instead of a server's whole turn
+(6-12 minutes, over which this VM's speed has moved 10-20%); the CPU time the idle server
+takes meanwhile is recorded and printed.
 Every command's output is kept in --out/rN, with host.json (CPU flags, commit) and summary.md,
 the table printed at the end: each figure is the median over rounds, each ratio the median of
 the rounds' own ratios, and a target is met when that ratio meets it:
@@ -37,24 +42,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
 import signal
-import statistics
 import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import side_by_side_report as report  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PEER = ROOT / "benchmarks" / "vllm_cpu_peer.py"
 KV_BYTES = 1 << 30  # both engines: 1 GiB of KV cache (vLLM: VLLM_CPU_KVCACHE_SPACE=1)
 NAME = "smollm2"
-LONG_PROMPT = 1024  # tokens a prompt in the long-context run (a quarter as many requests)
-CLIENTS = {"vclient-inf": "vLLM's client", "lclient-inf": "llmserve's client"}  # all at once
 FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
          "amx_tile", "amx_bf16")  # fmt: skip
 
@@ -94,6 +98,10 @@ class Server:
                 time.sleep(1)
         self.close()
         raise RuntimeError(f"server not up after 600 s; see {log}")
+
+    @property
+    def pgid(self) -> int:
+        return self._proc.pid  # the leader of the session it started
 
     def close(self) -> None:
         if self._proc.poll() is None:
@@ -160,44 +168,95 @@ def seed(round_no: int, run_no: int) -> int:
     return 10 * round_no + run_no
 
 
-def clients(args: argparse.Namespace, url: str, tag: str, out: Path, round_no: int) -> dict:
-    """Both clients at once, back to back (llmserve's first in even rounds), and vLLM's at 4
-    requests/s and at once on long prompts (before the at-once pair in odd rounds, after it in
-    even ones): their JSON results. The two all-at-once runs sit side by side so that the VM's
-    drift over a server's runs (minutes) falls on neither client."""
-    results = {}
+ClientRun = Callable[[str, str, dict], None]  # (server url, engine tag, results to fill)
 
-    def vllm_client(run_no: int, label: str, rate: str, prompt_len: int, prompts: int) -> None:
-        name = f"{tag}-vclient-{label}.json"
-        run([args.vllm_python, str(PEER), "bench", "serve", "--backend", "openai",
-             "--base-url", url, "--model", NAME, "--tokenizer", args.hf_dir,
-             "--dataset-name", "random", "--random-input-len", str(prompt_len),
-             "--random-output-len", "128", "--num-prompts", str(prompts), "--ignore-eos",
-             "--temperature", "0", "--request-rate", rate,
-             "--seed", str(seed(round_no, run_no)), "--save-result", "--result-dir", str(out),
-             "--result-filename", name], out / f"{tag}-vclient-{label}.txt")  # fmt: skip
-        results[f"vclient-{label}"] = json.loads((out / name).read_text())
 
-    def llmserve_client() -> None:
+def client_runs(args: argparse.Namespace, out: Path, round_no: int) -> dict[str, ClientRun]:
+    """A round's four client runs on a server, by label: vLLM's client all at once
+    ("vclient-inf"), llmserve's all at once ("lclient-inf"), vLLM's at 4 requests/s
+    ("vclient-4") and at once on long prompts ("vclient-long"); each writes its JSON result
+    under its label."""
+
+    def vllm_client(run_no: int, label: str, rate: str, prompt_len: int, prompts: int):
+        def client(url: str, tag: str, results: dict) -> None:
+            name = f"{tag}-vclient-{label}.json"
+            run([args.vllm_python, str(PEER), "bench", "serve", "--backend", "openai",
+                 "--base-url", url, "--model", NAME, "--tokenizer", args.hf_dir,
+                 "--dataset-name", "random", "--random-input-len", str(prompt_len),
+                 "--random-output-len", "128", "--num-prompts", str(prompts), "--ignore-eos",
+                 "--temperature", "0", "--request-rate", rate,
+                 "--seed", str(seed(round_no, run_no)), "--save-result", "--result-dir",
+                 str(out), "--result-filename", name], out / f"{tag}-vclient-{label}.txt")  # fmt: skip
+            results[f"vclient-{label}"] = json.loads((out / name).read_text())
+
+        return client
+
+    def llmserve_client(url: str, tag: str, results: dict) -> None:
         name = f"{tag}-lclient-inf.json"
         batch = random_batch_flags(args.num_prompts, seed(round_no, LCLIENT_RUN))
         run(llmserve_client_cli(url, batch, out / name), out / f"{tag}-lclient-inf.txt")
         results["lclient-inf"] = json.loads((out / name).read_text())
 
-    def at_once() -> None:
-        pair = [lambda: vllm_client(0, "inf", "inf", 256, args.num_prompts), llmserve_client]
-        for client in in_round_order(round_no, pair):
-            client()
+    long_prompts = max(1, args.num_prompts // 4)
+    return {
+        "vclient-inf": vllm_client(0, "inf", "inf", 256, args.num_prompts),
+        "lclient-inf": llmserve_client,
+        "vclient-4": vllm_client(1, "4", "4", 256, args.num_prompts),
+        "vclient-long": vllm_client(2, "long", "inf", report.LONG_PROMPT, long_prompts),
+    }
 
-    def others() -> None:
-        vllm_client(1, "4", "4", 256, args.num_prompts)
-        vllm_client(2, "long", "inf", LONG_PROMPT, max(1, args.num_prompts // 4))
 
-    # the at-once runs sit next to llmserve's offline part (after the server in odd rounds,
-    # before it in even ones), whose random batch they are compared with (server / offline)
-    for part in in_round_order(round_no, [others, at_once]):
-        part()
+def run_order(round_no: int) -> list[str]:
+    """The client runs' labels in a round's order: the two all-at-once runs back to back
+    (llmserve's client first in even rounds), after the other two in odd rounds and before
+    them in even ones. The at-once pair sits side by side so that the VM's drift over a
+    server's runs (minutes) falls on neither client, and next to llmserve's offline part,
+    whose random batch it is compared with (server / offline)."""
+    at_once = in_round_order(round_no, ["vclient-inf", "lclient-inf"])
+    return [label for part in in_round_order(round_no, [["vclient-4", "vclient-long"], at_once])
+            for label in part]  # fmt: skip
+
+
+def clients(args: argparse.Namespace, url: str, tag: str, out: Path, round_no: int) -> dict:
+    """The four client runs on one server, in run_order: their JSON results by label."""
+    runs, results = client_runs(args, out, round_no), {}
+    for label in run_order(round_no):
+        runs[label](url, tag, results)
     return results
+
+
+def group_cpu_s(pgid: int) -> float:
+    """CPU seconds (user + system) the processes of a process group have used so far: a
+    server and its children (vLLM's engine core)."""
+    ticks = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:  # after the ")" closing the name: state ppid pgrp ... utime (12th) stime (13th)
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the process ended meanwhile
+            continue
+        if int(fields[2]) == pgid:
+            ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def paired_clients(
+    args: argparse.Namespace, servers: dict[str, Server], out: Path, round_no: int
+) -> tuple[dict[str, dict], dict[str, float]]:
+    """--paired: each client run on both servers back to back (both up throughout), the engine
+    that goes first alternating from run to run and round to round, so the VM's drift between
+    two engines' figures is a minute's, not a server's whole turn. Returns each engine's
+    results by label, and the CPU seconds the idle server used during each of the other's runs
+    (what it took from the run measured)."""
+    runs = client_runs(args, out, round_no)
+    results: dict[str, dict] = {tag: {} for tag in servers}
+    idle_cpu_s: dict[str, float] = {}
+    for i, label in enumerate(run_order(round_no)):
+        for tag in in_round_order(round_no + i, list(servers)):
+            idle = next(server for other, server in servers.items() if other != tag)
+            before = group_cpu_s(idle.pgid)
+            runs[label](servers[tag].url, tag, results[tag])
+            idle_cpu_s[f"{tag}-{label}"] = round(group_cpu_s(idle.pgid) - before, 2)
+    return results, idle_cpu_s
 
 
 class Round:
@@ -213,29 +272,58 @@ class Round:
         self.results: dict = {"round": round_no}
 
     def parts(self) -> list:
-        order = [self.vllm_server, self.llmserve_server, self.llmserve_offline, self.vllm_offline]
+        if getattr(self.args, "paired", False):
+            order = [self.servers_paired, self.llmserve_offline, self.vllm_offline]
+        else:
+            order = [self.vllm_server, self.llmserve_server, self.llmserve_offline,
+                     self.vllm_offline]  # fmt: skip
         return in_round_order(self.round_no, order)
 
-    def vllm_server(self) -> None:
+    def start_vllm(self, port: int) -> Server:
         a = self.args
-        server = Server([a.vllm_python, str(PEER), "serve", a.hf_dir, "--dtype", a.dtype,
-                         "--port", str(a.port), "--served-model-name", NAME],
-                        self.out / "vllm-server.txt", a.port)  # fmt: skip
+        return Server([a.vllm_python, str(PEER), "serve", a.hf_dir, "--dtype", a.dtype,
+                       "--port", str(port), "--served-model-name", NAME],
+                      self.out / "vllm-server.txt", port)  # fmt: skip
+
+    def start_llmserve(self, port: int) -> Server:
+        return Server(llmserve_server_cli(self.args.dtype, port),
+                      self.out / "llmserve-server.txt", port)  # fmt: skip
+
+    def vllm_server(self) -> None:
+        server = self.start_vllm(self.args.port)
         try:
-            self.results["vllm_server"] = clients(a, server.url, "vllm", self.out, self.round_no)
+            self.results["vllm_server"] = clients(
+                self.args, server.url, "vllm", self.out, self.round_no
+            )
         finally:
             server.close()
 
     def llmserve_server(self) -> None:
-        a = self.args
-        server = Server(llmserve_server_cli(a.dtype, a.port), self.out / "llmserve-server.txt",
-                        a.port)  # fmt: skip
+        server = self.start_llmserve(self.args.port)
         try:
             self.results["llmserve_server"] = clients(
-                a, server.url, "llmserve", self.out, self.round_no
+                self.args, server.url, "llmserve", self.out, self.round_no
             )
         finally:
             server.close()
+
+    def servers_paired(self) -> None:
+        """--paired: both servers up (vLLM's on --port, llmserve's on the next), each client
+        run on both back to back (paired_clients)."""
+        vllm = self.start_vllm(self.args.port)
+        try:
+            ours = self.start_llmserve(self.args.port + 1)
+            try:
+                servers = {"vllm": vllm, "llmserve": ours}
+                results, idle = paired_clients(self.args, servers, self.out, self.round_no)
+            finally:
+                ours.close()
+        finally:
+            vllm.close()
+        self.results["vllm_server"], self.results["llmserve_server"] = (
+            results["vllm"], results["llmserve"]
+        )  # fmt: skip
+        self.results["paired_idle_cpu_s"] = idle
 
     def llmserve_offline(self) -> None:
         a, out = self.args, self.out
@@ -294,121 +382,6 @@ def parse_vllm_offline(text: str) -> dict:
     return {"text2sql_cold": cold, "batch1": single}
 
 
-def batch1_tok_s(latency: dict) -> float:
-    """llmserve's batch-1 rate with the prefill counted, as vLLM's offline script counts it."""
-    r = latency["results"][0]
-    seconds = r["ttft_ms"] / 1e3 + (r["num_tokens"] - 1) * r["tpot_ms"] / 1e3
-    return r["num_tokens"] / seconds
-
-
-def preload_of(one: dict) -> str:
-    """What vLLM ran with in LD_PRELOAD in a round (the line vllm_cpu_peer.py prints)."""
-    preload = one.get("vllm_preload")
-    return "not recorded" if preload is None else preload or "none"
-
-
-def rounds_of(results: dict) -> list[dict]:
-    """The rounds of a results.json; a folder from before rounds (one flat round) is one."""
-    return results["rounds"] if "rounds" in results else [results]
-
-
-def round_targets(one: dict) -> list[tuple[str, float, float, str]]:
-    """(what, llmserve, vLLM, target) for each of issue 17's targets in one round; vLLM's
-    figure is NaN where the target is a ratio of llmserve's own figures (server / offline)."""
-    ours, theirs = one["llmserve_server"], one["vllm_server"]
-    rows = []
-    for client, who in CLIENTS.items():
-        a, b = ours[client]["output_throughput"], theirs[client]["output_throughput"]
-        rows.append((f"all at once, output tok/s ({who})", a, b, ">= 1.2x"))
-    a, b = ours["vclient-4"]["mean_tpot_ms"], theirs["vclient-4"]["mean_tpot_ms"]
-    rows.append(("4 requests/s, mean TPOT ms", a, b, "below"))
-    a = one["off-t2s"]["results"][0]["output_throughput"]
-    b = max(one["vllm_offline"]["text2sql_cold"])
-    rows.append(("text2sql offline, output tok/s", a, b, ">= 1.2x"))
-    a = batch1_tok_s(one["off-latency"])
-    b = statistics.median(one["vllm_offline"]["batch1"])
-    rows.append(("batch 1, 256 tokens, tok/s", a, b, "not below"))
-    if "vclient-long" in ours and "vclient-long" in theirs:  # runs before it had none
-        long_ours, long_theirs = ours["vclient-long"], theirs["vclient-long"]
-        a, b = long_ours["output_throughput"], long_theirs["output_throughput"]
-        prompts = long_ours.get("num_prompts", "")
-        rows.append((f"long prompts ({LONG_PROMPT}/128 x {prompts}) at once, output tok/s", a, b,
-                     "(none)"))  # fmt: skip
-    offline = one["off-random"]["results"][0]["output_throughput"]
-    for client, who in CLIENTS.items():
-        ratio = ours[client]["output_throughput"] / offline
-        rows.append((f"server / offline ({who})", ratio, float("nan"), ">= 0.95"))
-    return rows
-
-
-def meets(target: str, ratio: float) -> bool | None:
-    """Whether a ratio (llmserve / vLLM, or server / offline) meets a target; None: no target."""
-    return {">= 1.2x": ratio >= 1.2, "below": ratio < 1.0, "not below": ratio >= 1.0,
-            ">= 0.95": ratio >= 0.95}.get(target)  # fmt: skip
-
-
-@dataclass
-class Row:
-    """One target over the rounds: medians of each engine's figure and of the rounds' ratios."""
-
-    what: str
-    ours: float
-    theirs: float  # NaN: the target is llmserve's own ratio
-    target: str
-    ratios: list[float]  # per round: llmserve / vLLM, or the server / offline ratio itself
-
-    @property
-    def ratio(self) -> float:
-        return statistics.median(self.ratios)
-
-    @property
-    def met(self) -> bool | None:
-        return meets(self.target, self.ratio)
-
-
-def targets(results: dict) -> list[Row]:
-    """Issue 17's targets over all rounds (a row only where every round has it)."""
-    per_round = [{row[0]: row for row in round_targets(one)} for one in rounds_of(results)]
-    rows = []
-    for what, *_, target in per_round[0].values():
-        if not all(what in one for one in per_round):
-            continue
-        ours, theirs = [one[what][1] for one in per_round], [one[what][2] for one in per_round]
-        own = math.isnan(theirs[0])  # llmserve's own ratio
-        ratios = ours if own else [a / b for a, b in zip(ours, theirs)]
-        rows.append(Row(what, statistics.median(ours), statistics.median(theirs), target, ratios))
-    return rows
-
-
-def env_text(settings: dict | None) -> str:
-    return " ".join(f"{k}={v}" for k, v in (settings or {}).items()) or "none (the defaults)"
-
-
-def summary(results: dict) -> str:
-    host = results["host"]
-    count = len(rounds_of(results))
-    lines = [
-        f"{results['dtype']} on {host.get('cpu', '?')} ({host.get('cpus')} CPUs; flags "
-        f"{' '.join(host.get('flags', []))}), commit {host['commit']}, {host['time_utc']} UTC, "
-        f"{count} round{'s' if count > 1 else ''} (medians; the rounds' own ratios at the end)",
-        f"vLLM's LD_PRELOAD: {preload_of(rounds_of(results)[0])}",
-        f"llmserve's LLMSERVE_CPU_* settings: {env_text(host.get('llmserve_cpu_env'))}",
-        "",
-        "| | llmserve | vLLM-CPU | ratio | target | met | per round |",
-        "| --- | ---: | ---: | ---: | --- | --- | --- |",
-    ]
-    for row in targets(results):
-        own = math.isnan(row.theirs)
-        ratio = "" if own else f"{row.ratio:.2f}"
-        other = "" if own else f"{row.theirs:.1f}"
-        met = "" if row.met is None else "yes" if row.met else "NO"
-        each = " / ".join(f"{r:.2f}" for r in row.ratios)
-        lines.append(
-            f"| {row.what} | {row.ours:.2f} | {other} | {ratio} | {row.target} | {met} | {each} |"
-        )
-    return "\n".join(lines) + "\n"
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--vllm-python", required=True, help="the Python of vLLM-CPU's environment")
@@ -422,6 +395,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--rounds", type=int, default=2, help="rounds, even ones in reverse order (default 2)"
     )
+    p.add_argument(
+        "--paired",
+        action="store_true",
+        help="both servers up at once, each client run on both back to back (default: one "
+        "server at a time, each with its four runs)",
+    )
     p.add_argument("--summarize", action="store_true", help="only rebuild summary.md from --out")
     args = p.parse_args(argv)
     if args.rounds < 1:
@@ -433,7 +412,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         results = measure(args)
-    text = summary(results)
+    text = report.summary(results)
     (out / "summary.md").write_text(text)
     print(text)
 

@@ -71,11 +71,11 @@ def test_reads_vllm_offline_lines(sbs):
 
 def test_batch1_counts_the_prefill(sbs):
     latency = {"results": [{"ttft_ms": 100.0, "tpot_ms": 36.0, "num_tokens": 256}]}
-    assert sbs.batch1_tok_s(latency) == pytest.approx(256 / (0.1 + 255 * 0.036))
+    assert sbs.report.batch1_tok_s(latency) == pytest.approx(256 / (0.1 + 255 * 0.036))
 
 
 def by_what(sbs, data: dict) -> dict:
-    return {row.what: (row.ours, row.theirs, row.met) for row in sbs.targets(data)}
+    return {row.what: (row.ours, row.theirs, row.met) for row in sbs.report.targets(data)}
 
 
 def test_targets_met_and_missed(sbs):
@@ -150,7 +150,7 @@ def test_long_prompt_run_is_reported_without_a_verdict(sbs, tmp_path, capsys):
     )
     assert line in (tmp_path / "summary.md").read_text()
     # results from before the long run: no such row, the rest as it was
-    assert not any("long prompts" in r.what for r in sbs.targets(results(sbs, 151.6, 138.8)))
+    assert not any("long prompts" in r.what for r in sbs.report.targets(results(sbs, 151.6, 138.8)))
 
 
 def test_rounds_take_medians_of_each_rounds_own_ratio(sbs, tmp_path, capsys):
@@ -161,12 +161,14 @@ def test_rounds_take_medians_of_each_rounds_own_ratio(sbs, tmp_path, capsys):
     three["vllm_server"]["vclient-inf"] = serve(130.0, 300)
     data = {"host": one["host"], "dtype": "float32", "rounds": [one, two, three]}
     row = next(
-        r for r in sbs.targets(data) if r.what == "all at once, output tok/s (vLLM's client)"
+        r for r in sbs.report.targets(data) if r.what == "all at once, output tok/s (vLLM's client)"
     )
     assert (row.ours, row.theirs) == (140.0, 116.2)
     assert row.ratios == pytest.approx([151.6 / 116.2, 130 / 116.2, 140 / 130])
     assert row.ratio == pytest.approx(130 / 116.2) and row.met is False
-    server = next(r for r in sbs.targets(data) if r.what == "server / offline (vLLM's client)")
+    server = next(
+        r for r in sbs.report.targets(data) if r.what == "server / offline (vLLM's client)"
+    )
     assert server.ratios == pytest.approx([151.6 / 137.2, 130 / 137.2, 140 / 137.2])
     assert server.met is True  # median 140 / 137.2 = 1.02
     (tmp_path / "results.json").write_text(json.dumps(data))
@@ -283,3 +285,53 @@ def test_llmserves_commands_parse_and_share_the_random_batch(sbs, tmp_path):
     assert (client.num_prompts, client.dataset_seed, client.request_rate) == (64, 13, float("inf"))
     assert parsed["serve"].kv_cache_memory == offline.kv_cache_memory == sbs.KV_BYTES
     assert parsed["serve"].dtype == offline.dtype == "bfloat16"
+
+
+def test_paired_runs_each_client_on_both_servers_back_to_back(sbs, tmp_path, monkeypatch):
+    """--paired: every client run goes to both servers in a row, the engine going first
+    alternating run by run and round by round; the idle server's CPU use is recorded."""
+    ran: list[str] = []
+
+    def fake_run(cmd: list[str], log: Path) -> str:
+        ran.append(log.stem)
+        if "--output-json" in cmd:
+            Path(cmd[cmd.index("--output-json") + 1]).write_text("{}")
+        if "--result-filename" in cmd:
+            folder = Path(cmd[cmd.index("--result-dir") + 1])
+            (folder / cmd[cmd.index("--result-filename") + 1]).write_text("{}")
+        return ""
+
+    class FakeServer:  # this test's own process group stands in for a server's
+        def __init__(self, port: int):
+            self.url, self.pgid = f"http://127.0.0.1:{port}", os.getpgrp()
+
+    monkeypatch.setattr(sbs, "run", fake_run)
+    args = sbs.argparse.Namespace(out=str(tmp_path), dtype="float32", num_prompts=8,
+                                  vllm_python="python", hf_dir="hf", paired=True)  # fmt: skip
+    servers = {"vllm": FakeServer(1), "llmserve": FakeServer(2)}
+    for round_no in (1, 2):
+        one = sbs.Round(args, round_no, tmp_path / "ids.json")
+        assert [p.__name__ for p in one.parts()] == (
+            ["servers_paired", "llmserve_offline", "vllm_offline"][:: 1 if round_no % 2 else -1]
+        )
+        ran.clear()
+        results, idle = sbs.paired_clients(args, servers, one.out, round_no)
+        labels = sbs.run_order(round_no)
+        assert len(ran) == 2 * len(labels) == 8
+        firsts = []
+        for i, label in enumerate(labels):
+            pair = ran[2 * i : 2 * i + 2]
+            assert sorted(pair) == [f"llmserve-{label}", f"vllm-{label}"], ran
+            firsts.append(pair[0].split("-")[0])
+        assert firsts == ["vllm", "llmserve", "vllm", "llmserve"][:: 1 if round_no % 2 else -1]
+        assert set(results) == {"vllm", "llmserve"} and set(results["vllm"]) == set(labels)
+        assert len(idle) == 8 and all(seconds >= 0 for seconds in idle.values())
+    assert sbs.group_cpu_s(os.getpgrp()) > 0  # this process's own CPU time, read from /proc
+
+
+def test_summary_notes_a_paired_run(sbs, tmp_path):
+    data = results(sbs, 151.6, 138.8)
+    data["paired_idle_cpu_s"] = {"vllm-vclient-inf": 0.5, "llmserve-vclient-4": 1.5}
+    text = sbs.report.summary(data)
+    assert "servers paired (--paired)" in text and "at most 1.50" in text
+    assert "servers paired" not in sbs.report.summary(results(sbs, 151.6, 138.8))
