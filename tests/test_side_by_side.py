@@ -192,12 +192,11 @@ def test_even_rounds_run_in_reverse_with_prompts_of_their_own(sbs, tmp_path):
         even.vllm_offline()  # only after a round that saved them
 
 
-def test_server_at_once_runs_next_to_the_offline_random_batch(sbs, tmp_path, monkeypatch):
-    """Odd rounds: a server's at-once pair last, then the offline random batch first; even
-    rounds the mirror image, so server / offline compares runs that are next to each other."""
-    ran: list[str] = []
+def recording_run(ran: list[str]):
+    """A stand-in for side_by_side.run: records each run's log name in ``ran`` and writes the
+    empty result file the command would have written."""
 
-    def fake_run(cmd: list[str], log: Path) -> str:  # records the run, writes an empty result
+    def fake_run(cmd: list[str], log: Path) -> str:
         ran.append(log.stem)
         if "--output-json" in cmd:
             Path(cmd[cmd.index("--output-json") + 1]).write_text("{}")
@@ -206,6 +205,14 @@ def test_server_at_once_runs_next_to_the_offline_random_batch(sbs, tmp_path, mon
             (folder / cmd[cmd.index("--result-filename") + 1]).write_text("{}")
         return ""
 
+    return fake_run
+
+
+def test_server_at_once_runs_next_to_the_offline_random_batch(sbs, tmp_path, monkeypatch):
+    """Odd rounds: a server's at-once pair last, then the offline random batch first; even
+    rounds the mirror image, so server / offline compares runs that are next to each other."""
+    ran: list[str] = []
+    fake_run = recording_run(ran)
     monkeypatch.setattr(sbs, "run", fake_run)
     args = sbs.argparse.Namespace(
         out=str(tmp_path), dtype="float32", num_prompts=8, vllm_python="python", hf_dir="hf"
@@ -291,15 +298,7 @@ def test_paired_runs_each_client_on_both_servers_back_to_back(sbs, tmp_path, mon
     """--paired: every client run goes to both servers in a row, the engine going first
     alternating run by run and round by round; the idle server's CPU use is recorded."""
     ran: list[str] = []
-
-    def fake_run(cmd: list[str], log: Path) -> str:
-        ran.append(log.stem)
-        if "--output-json" in cmd:
-            Path(cmd[cmd.index("--output-json") + 1]).write_text("{}")
-        if "--result-filename" in cmd:
-            folder = Path(cmd[cmd.index("--result-dir") + 1])
-            (folder / cmd[cmd.index("--result-filename") + 1]).write_text("{}")
-        return ""
+    fake_run = recording_run(ran)
 
     class FakeServer:  # this test's own process group stands in for a server's
         def __init__(self, port: int):
