@@ -22,6 +22,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
+from starlette.routing import get_route_path
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import llmserve
@@ -163,10 +164,8 @@ class ApiKeyMiddleware:
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path, root = scope.get("path", ""), scope.get("root_path", "")
-        if root and path.startswith(root):  # behind --root-path the path may carry the prefix
-            path = path[len(root) :]
-        if scope["type"] == "http" and path.startswith(_PROTECTED_PREFIXES):
+        # the path as routes see it (behind --root-path it may carry the prefix)
+        if scope["type"] == "http" and get_route_path(scope).startswith(_PROTECTED_PREFIXES):
             headers = dict(scope["headers"])
             given = headers.get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
