@@ -96,7 +96,7 @@ def host_profile(engine, prompt: list[int], tokens: int) -> list[dict]:
     rows = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:20]
     return [
         {
-            "function": f"{fn} ({file.rsplit('/', 2)[-2:]!s}:{line})",
+            "function": f"{fn} ({'/'.join(file.rsplit('/', 2)[-2:])}:{line})",
             "self_ms_per_step": tt * 1e3 / len(steps),
             "calls_per_step": nc / len(steps),
         }

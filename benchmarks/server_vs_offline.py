@@ -44,12 +44,9 @@ def pair(args: argparse.Namespace, pair_no: int, out: Path) -> dict:
     batch = random_batch_flags(args.num_prompts, 100 + pair_no, args.input_len, args.output_len)
     offline_json, server_json = out / f"offline-{pair_no}.json", out / f"client-{pair_no}.json"
     run(offline_cli(args.dtype, batch, offline_json), out / f"offline-{pair_no}.txt")
-    server = Server(llmserve_server_cli(args.dtype, args.port), out / f"server-{pair_no}.txt",
-                    args.port)  # fmt: skip
-    try:
+    log = out / f"server-{pair_no}.txt"
+    with Server(llmserve_server_cli(args.dtype, args.port), log, args.port) as server:
         run(llmserve_client_cli(server.url, batch, server_json), out / f"client-{pair_no}.txt")
-    finally:
-        server.close()
     offline = json.loads(offline_json.read_text())["results"][0]["output_throughput"]
     served = json.loads(server_json.read_text())["output_throughput"]
     return {"pair": pair_no, "offline": offline, "server": served, "ratio": served / offline}

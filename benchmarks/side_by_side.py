@@ -103,6 +103,12 @@ class Server:
     def pgid(self) -> int:
         return self._proc.pid  # the leader of the session it started
 
+    def __enter__(self) -> Server:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def close(self) -> None:
         if self._proc.poll() is None:
             os.killpg(self._proc.pid, signal.SIGTERM)
@@ -260,7 +266,8 @@ def paired_clients(
 
 
 class Round:
-    """One round's four parts; ``parts()`` gives them in this round's order."""
+    """One round's parts (four; three with --paired); ``parts()`` gives them in this round's
+    order."""
 
     def __init__(self, args: argparse.Namespace, round_no: int, first_ids: Path) -> None:
         self.args, self.round_no = args, round_no
@@ -272,7 +279,7 @@ class Round:
         self.results: dict = {"round": round_no}
 
     def parts(self) -> list:
-        if getattr(self.args, "paired", False):
+        if self.args.paired:
             order = [self.servers_paired, self.llmserve_offline, self.vllm_offline]
         else:
             order = [self.vllm_server, self.llmserve_server, self.llmserve_offline,
@@ -290,39 +297,26 @@ class Round:
                       self.out / "llmserve-server.txt", port)  # fmt: skip
 
     def vllm_server(self) -> None:
-        server = self.start_vllm(self.args.port)
-        try:
-            self.results["vllm_server"] = clients(
-                self.args, server.url, "vllm", self.out, self.round_no
-            )
-        finally:
-            server.close()
+        self.one_server("vllm", self.start_vllm)
 
     def llmserve_server(self) -> None:
-        server = self.start_llmserve(self.args.port)
-        try:
-            self.results["llmserve_server"] = clients(
-                self.args, server.url, "llmserve", self.out, self.round_no
+        self.one_server("llmserve", self.start_llmserve)
+
+    def one_server(self, tag: str, start: Callable[[int], Server]) -> None:
+        with start(self.args.port) as server:
+            self.results[f"{tag}_server"] = clients(
+                self.args, server.url, tag, self.out, self.round_no
             )
-        finally:
-            server.close()
 
     def servers_paired(self) -> None:
         """--paired: both servers up (vLLM's on --port, llmserve's on the next), each client
         run on both back to back (paired_clients)."""
-        vllm = self.start_vllm(self.args.port)
-        try:
-            ours = self.start_llmserve(self.args.port + 1)
-            try:
+        with self.start_vllm(self.args.port) as vllm:
+            with self.start_llmserve(self.args.port + 1) as ours:
                 servers = {"vllm": vllm, "llmserve": ours}
                 results, idle = paired_clients(self.args, servers, self.out, self.round_no)
-            finally:
-                ours.close()
-        finally:
-            vllm.close()
-        self.results["vllm_server"], self.results["llmserve_server"] = (
-            results["vllm"], results["llmserve"]
-        )  # fmt: skip
+        for tag, by_label in results.items():
+            self.results[f"{tag}_server"] = by_label
         self.results["paired_idle_cpu_s"] = idle
 
     def llmserve_offline(self) -> None:

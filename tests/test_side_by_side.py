@@ -179,7 +179,7 @@ def test_rounds_take_medians_of_each_rounds_own_ratio(sbs, tmp_path, capsys):
 
 
 def test_even_rounds_run_in_reverse_with_prompts_of_their_own(sbs, tmp_path):
-    args = sbs.argparse.Namespace(out=str(tmp_path), dtype="float32")
+    args = sbs.argparse.Namespace(out=str(tmp_path), dtype="float32", paired=False)
     ids = tmp_path / "ids.json"
     odd, even = sbs.Round(args, 1, ids), sbs.Round(args, 2, ids)
     names = [part.__name__ for part in odd.parts()]
