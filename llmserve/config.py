@@ -136,6 +136,11 @@ class SchedulerConfig:
     max_waiting_tokens: int = _opt(
         20, "continuous (TGI): force admission after this many decode steps without one"
     )
+    stream_interval: int = _opt(
+        1,
+        "Streaming: new tokens gathered into each streamed output (the first and last go at "
+        "once); above 1, fewer and larger chunks, less server work per token (vLLM's)",
+    )
 
 
 @dataclass(frozen=True)
@@ -220,7 +225,7 @@ class EngineConfig:
                 value = getattr(klass_cfg, f.name)
                 if choices and value is not None and value not in choices:
                     raise ValueError(f"{f.name} must be one of {list(choices)}, got {value!r}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "stream_interval"):
             owner = self.cache if name == "block_size" else self.scheduler
             if getattr(owner, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(owner, name)}")

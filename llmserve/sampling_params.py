@@ -62,6 +62,9 @@ class SamplingParams:
             generated_length ** length_penalty``.
         output_kind: which outputs the engine's step returns (``RequestOutputKind``);
             ``LLM.generate`` sets FINAL_ONLY, since it returns finished requests only.
+        stream_interval: new tokens gathered into each streamed output (the first and the
+            last go at once), as vLLM's; raises the engine's ``stream_interval``, never
+            lowers it. None: the engine's.
     """
 
     n: int = 1
@@ -92,6 +95,7 @@ class SamplingParams:
     use_beam_search: bool = False
     length_penalty: float = 1.0
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    stream_interval: int | None = None
 
     def __post_init__(self) -> None:
         self.structured_outputs = StructuredOutputsParams.from_any(self.structured_outputs)
@@ -213,6 +217,12 @@ class SamplingParams:
             "output_kind",
             self.output_kind,
             "a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY)",
+        )
+        _check(
+            self.stream_interval is None or self.stream_interval >= 1,
+            "stream_interval",
+            self.stream_interval,
+            "an integer >= 1 (new tokens in each streamed output), or None (the engine's)",
         )
 
     @property

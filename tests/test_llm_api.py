@@ -353,6 +353,34 @@ def test_output_kinds_of_the_engine_step(llm):
     engine.block_manager.check_idle()
 
 
+def test_stream_interval_gathers_tokens_into_fewer_outputs(llm):
+    """A request's stream_interval of 3 (above the engine's 1): its first output at once, then
+    one every 3 new tokens, and the last when it finishes, CUMULATIVE and DELTA alike; the
+    text and tokens end as without it."""
+    engine = llm.llm_engine
+    for kind in (RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA):
+        outputs: dict[str, list] = {"every": [], "by3": []}
+        for name, interval in (("every", None), ("by3", 3)):
+            params = SamplingParams(
+                temperature=0, max_tokens=10, output_kind=kind, stream_interval=interval
+            )
+            engine.add_request(name, "Write a SQL query", params)
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                outputs[output.request_id].append(output.outputs[0])
+        every, by3 = outputs["every"], outputs["by3"]
+        if kind is RequestOutputKind.DELTA:
+            assert [len(o.token_ids) for o in by3] == [1, 3, 3, 3]
+            assert "".join(o.text for o in by3) == "".join(o.text for o in every)
+        else:
+            assert [len(o.token_ids) for o in by3] == [1, 4, 7, 10]
+            assert [o.text for o in by3] == [every[i].text for i in (0, 3, 6, 9)]
+        assert len(every) == 10 and by3[-1].finish_reason == every[-1].finish_reason == "length"
+    with pytest.raises(ValueError, match="stream_interval"):
+        SamplingParams(stream_interval=0)
+    engine.block_manager.check_idle()
+
+
 def test_generate_asks_for_final_outputs_only_and_leaves_the_params_alone(llm):
     params = SamplingParams(temperature=0, max_tokens=8)
     seen = []

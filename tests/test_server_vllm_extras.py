@@ -1,7 +1,8 @@
 """vLLM's extra request fields on the real server (``llmserve serve`` in a subprocess, started
-with ``--return-tokens-as-token-ids``): continue_final_message, the prefix cache's
-cached_tokens and cache_salt, allowed_token_ids, bad_words, truncate_prompt_tokens,
-return_token_ids and return_tokens_as_token_ids; and cache_salt offline."""
+with ``--return-tokens-as-token-ids --stream-interval 2``): continue_final_message, the
+prefix cache's cached_tokens and cache_salt, allowed_token_ids, bad_words,
+truncate_prompt_tokens, return_token_ids and return_tokens_as_token_ids, stream_interval; and
+cache_salt offline."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ from tests.test_server import MAX_TOKENS, MESSAGES, PROMPT, chat, complete
 
 @pytest.fixture(scope="module")
 def server():
-    server = ServerProcess(*SMALL_SERVER_ARGS, "--return-tokens-as-token-ids")
+    server = ServerProcess(
+        *SMALL_SERVER_ARGS, "--return-tokens-as-token-ids", "--stream-interval", "2"
+    )
     yield server
     server.close()
 
@@ -237,3 +240,32 @@ def test_completions_take_response_format_and_tokenize_gives_token_strs(server, 
         ]
         is None
     )
+
+
+def test_stream_interval(server, client, model):
+    """Streamed chunks gather the server's 2 new tokens (--stream-interval 2), or a request's
+    stream_interval where larger (one below it changes nothing); the first chunk comes at
+    once, the last when the text ends, and together they hold the non-streamed text. A chunk
+    may hold more than the interval (a handler that falls behind skips to the newest output),
+    never fewer but the first and the last."""
+    body = {"return_token_ids": True}
+    whole = complete(client, model, extra_body=body).choices[0]
+    for interval, least in ((None, 2), (1, 2), (3, 3)):
+        chunks = list(
+            complete(client, model, stream=True, extra_body={**body, "stream_interval": interval})
+        )
+        counts = [len(c.choices[0].token_ids) for c in chunks]
+        assert counts[0] == 1 and all(n >= least for n in counts[1:-1]), (interval, counts)
+        assert len(chunks) <= 1 + -(-(MAX_TOKENS - 1) // least)
+        assert "".join(c.choices[0].text for c in chunks) == whole.text
+        assert [t for c in chunks for t in c.choices[0].token_ids] == whole.token_ids
+    replies = list(chat(client, model, stream=True, extra_body={"stream_interval": 4}))
+    assert "".join(c.choices[0].delta.content or "" for c in replies) == (
+        chat(client, model).choices[0].message.content
+    )
+    refused = httpx.post(
+        server.url + "/v1/completions",
+        json={"model": model, "prompt": PROMPT, "stream": True, "stream_interval": 0},
+        timeout=10,
+    )
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "stream_interval"

@@ -17,12 +17,12 @@ from llmserve.config import EngineConfig
 from llmserve.engine.beam_search import BeamState, Hypothesis, final_ranking
 from llmserve.engine.block_manager import BlockManager
 from llmserve.engine.detokenizer import make_detokenizer
-from llmserve.engine.output_processor import make_request_output, process_sample
+from llmserve.engine.output_processor import make_request_output, output_due, process_sample
 from llmserve.engine.scheduler import Scheduler
 from llmserve.engine.scheduler_output import SchedulerOutput
 from llmserve.engine.sequence import FinishReason, Request, Sequence
 from llmserve.outputs import Logprob, RequestOutput
-from llmserve.sampling_params import RequestOutputKind, SamplingParams
+from llmserve.sampling_params import SamplingParams
 from llmserve.structured_output.grammar import GrammarCompiler
 
 logger = logging.getLogger(__name__)
@@ -299,11 +299,8 @@ class LLMEngine:
             if request.beam is not None and request.is_finished and request.beam.results is None:
                 self._beam_results(request)
                 changed[request.request_id] = request
-        return [
-            make_request_output(r)
-            for r in changed.values()
-            if r.is_finished or r.params.output_kind is not RequestOutputKind.FINAL_ONLY
-        ]
+        interval = self.config.scheduler.stream_interval
+        return [make_request_output(r) for r in changed.values() if output_due(r, interval)]
 
     def _beam_progress(self, seq: Sequence) -> None:
         """A beam that reached max_tokens (or max_model_len) ends as a candidate result."""

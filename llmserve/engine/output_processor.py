@@ -6,6 +6,11 @@ the new text, matched across token boundaries (the text is cut before it); ``max
 ``max_model_len``; a structured-output grammar that admits no further token. While a request has stop strings, the last ``len(longest) - 1``
 characters are held back from unfinished outputs, so a stream never shows the start of a
 stop string that is then taken back.
+
+Which outputs a step returns (``output_due``): every changed request's, but FINAL_ONLY ones
+only when they finish, and with a stream interval of k > 1 (``--stream-interval``, or the
+request's ``stream_interval`` where larger; vLLM's) a request's first output, then one for
+every k new tokens, and its last: fewer, larger chunks for a server's streams to send.
 """
 
 from __future__ import annotations
@@ -59,6 +64,24 @@ def _match_stop_string(seq: Sequence, delta_len: int) -> bool:
             seq.stop_reason = stop
             return True
     return False
+
+
+def output_due(request: Request, stream_interval: int) -> bool:
+    """Whether a request that changed this step returns an output now (module doc);
+    ``stream_interval``: the engine's. Counts the output as sent when it is due."""
+    params = request.params
+    if request.is_finished:
+        return True
+    if params.output_kind is RequestOutputKind.FINAL_ONLY:
+        return False
+    interval = max(stream_interval, params.stream_interval or 1)
+    if interval == 1:
+        return True
+    produced = max(seq.num_output_tokens for seq in request.seqs)
+    if request.num_streamed_tokens and produced - request.num_streamed_tokens < interval:
+        return False
+    request.num_streamed_tokens = produced
+    return True
 
 
 def make_request_output(request: Request) -> RequestOutput:

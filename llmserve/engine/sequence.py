@@ -118,6 +118,7 @@ class Request:
     is_forked: bool = False  # True once all n sequences exist and run
     prompt_logprobs: list[dict[int, Logprob] | None] = field(default_factory=list)
     beam: BeamState | None = None  # beam search requests only
+    num_streamed_tokens: int = 0  # output tokens when its last output went out (stream_interval)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -174,6 +174,7 @@ class SamplingFields(OpenAIModel):
     cache_salt: CacheSalt | None = None  # vLLM's: the prefix cache shared within one salt only
     return_token_ids: bool = False  # vLLM's: the prompt's and the choices' token ids too
     return_tokens_as_token_ids: bool | None = None  # vLLM's: logprob tokens as "token_id:N"
+    stream_interval: Int(ge=1) | None = None  # vLLM's: new tokens in each streamed chunk
 
 
 # ---- completions ------------------------------------------------------------------------------

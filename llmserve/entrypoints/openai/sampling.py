@@ -139,6 +139,7 @@ def build_params(
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=request.skip_special_tokens,
             structured_outputs=structured,
+            stream_interval=request.stream_interval,
             **knobs,
         )
     except ValueError as e:
