@@ -15,6 +15,12 @@ output tok/s and ratio, and the median ratio against the target (>= 0.95). The s
 server / offline figure is one such pair per round and client, minutes apart; on an Intel VM
 its pairs read 0.90-1.15 where pairs back to back read 0.95-1.12 (docs/bench/journal.md).
 Every command's output is kept in --out, with results.json.
+
+Where the server's CPU goes during the client's run, per pair: the server's main thread (its
+event loop: HTTP, SSE, the outputs turned into chunks), the whole server process (the engine
+thread and the compute threads, which spin while they wait, so count busy), and the client
+process (start-up, tokenizing its prompts, reading the streams). ``--stream-interval N``
+starts the servers with it (vLLM's flag: N new tokens in each streamed chunk).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import sys
 from pathlib import Path
@@ -29,11 +36,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from side_by_side import (  # noqa: E402
     Server,
+    group_cpu_s,
     llmserve_client_cli,
     llmserve_server_cli,
     offline_cli,
     random_batch_flags,
     run,
+    thread_cpu_s,
 )
 
 TARGET = 0.95
@@ -45,19 +54,39 @@ def pair(args: argparse.Namespace, pair_no: int, out: Path) -> dict:
     offline_json, server_json = out / f"offline-{pair_no}.json", out / f"client-{pair_no}.json"
     run(offline_cli(args.dtype, batch, offline_json), out / f"offline-{pair_no}.txt")
     log = out / f"server-{pair_no}.txt"
-    with Server(llmserve_server_cli(args.dtype, args.port), log, args.port) as server:
+    server_cmd = llmserve_server_cli(args.dtype, args.port)
+    server_cmd += ["--stream-interval", str(args.stream_interval)]
+    with Server(server_cmd, log, args.port) as server:
+        pid = server.pgid  # the server's process (its main thread has the same id)
+        http0, server0 = thread_cpu_s(pid, pid), group_cpu_s(pid)
+        client0 = _children_cpu_s()
         run(llmserve_client_cli(server.url, batch, server_json), out / f"client-{pair_no}.txt")
+        cpu = {
+            "http_cpu_s": thread_cpu_s(pid, pid) - http0,
+            "server_cpu_s": group_cpu_s(pid) - server0,
+            "client_cpu_s": _children_cpu_s() - client0,
+        }
     offline = json.loads(offline_json.read_text())["results"][0]["output_throughput"]
     served = json.loads(server_json.read_text())["output_throughput"]
-    return {"pair": pair_no, "offline": offline, "server": served, "ratio": served / offline}
+    return {"pair": pair_no, "offline": offline, "server": served, "ratio": served / offline,
+            **cpu}  # fmt: skip
+
+
+def _children_cpu_s() -> float:
+    """CPU seconds this script's ended children have used (the client, once it has ended)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def summary(pairs: list[dict], dtype: str) -> str:
     lines = [f"{dtype}: server / offline, {len(pairs)} pairs back to back", "",
-             "| pair | offline tok/s | server tok/s | server / offline |",
-             "| ---: | ---: | ---: | ---: |"]  # fmt: skip
+             "| pair | offline tok/s | server tok/s | server / offline | CPU s: HTTP thread / "
+             "server / client |",
+             "| ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
     for p in pairs:
-        lines.append(f"| {p['pair']} | {p['offline']:.1f} | {p['server']:.1f} | {p['ratio']:.3f} |")
+        cpu = f"{p['http_cpu_s']:.2f} / {p['server_cpu_s']:.1f} / {p['client_cpu_s']:.1f}"
+        lines.append(f"| {p['pair']} | {p['offline']:.1f} | {p['server']:.1f} | "
+                     f"{p['ratio']:.3f} | {cpu} |")  # fmt: skip
     median = statistics.median(p["ratio"] for p in pairs)
     verdict = "met" if median >= TARGET else "NOT met"
     lines += ["", f"median {median:.3f} (target >= {TARGET}: {verdict})"]
@@ -73,6 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--stream-interval", type=int, default=1, help="the servers' (default 1)")
     args = p.parse_args(argv)
     if args.pairs < 1:
         p.error(f"--pairs must be at least 1, got {args.pairs}")

@@ -231,16 +231,28 @@ def clients(args: argparse.Namespace, url: str, tag: str, out: Path, round_no: i
     return results
 
 
+def stat_fields(stat: Path) -> list[str] | None:
+    """A /proc .../stat file's fields after the ")" closing the name (state ppid pgrp ...
+    utime (12th) stime (13th)); None when the process or thread ended meanwhile."""
+    try:
+        return stat.read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def thread_cpu_s(pid: int, tid: int) -> float:
+    """CPU seconds (user + system) one thread of a process has used so far (0 once gone)."""
+    fields = stat_fields(Path(f"/proc/{pid}/task/{tid}/stat"))
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK") if fields else 0.0
+
+
 def group_cpu_s(pgid: int) -> float:
     """CPU seconds (user + system) the processes of a process group have used so far: a
     server and its children (vLLM's engine core)."""
     ticks = 0
     for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:  # after the ")" closing the name: state ppid pgrp ... utime (12th) stime (13th)
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:  # the process ended meanwhile
-            continue
-        if int(fields[2]) == pgid:
+        fields = stat_fields(stat)
+        if fields is not None and int(fields[2]) == pgid:
             ticks += int(fields[11]) + int(fields[12])
     return ticks / os.sysconf("SC_CLK_TCK")
 

@@ -1,5 +1,6 @@
 """benchmarks/server_vs_offline.py: a real pair (the offline engine, then a real server on
-loopback with llmserve's client, the same prompts), its ratio and the verdict."""
+loopback with llmserve's client, the same prompts), its ratio, the CPU the server's threads
+and the client used, and the verdict."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ def svo():
 
 def test_a_pair_runs_offline_then_a_server_on_the_same_prompts(svo, tmp_path, capsys):
     svo.main(["--pairs", "1", "--num-prompts", "2", "--input-len", "16", "--output-len", "4",
-              "--port", str(free_port()), "--out", str(tmp_path)])  # fmt: skip
+              "--port", str(free_port()), "--out", str(tmp_path), "--stream-interval", "2"])  # fmt: skip
     (one,) = json.loads((tmp_path / "results.json").read_text())["pairs"]
     assert one["offline"] > 0 and one["server"] > 0
     assert one["ratio"] == pytest.approx(one["server"] / one["offline"])
@@ -26,11 +27,17 @@ def test_a_pair_runs_offline_then_a_server_on_the_same_prompts(svo, tmp_path, ca
     assert client["completed"] == 2 and client["total_output_tokens"] == 2 * 4
     assert offline["results"][0]["num_requests"] == 2
     assert client["total_prompt_tokens"] == offline["results"][0]["total_prompt_tokens"] == 32
+    # the server's whole process (which computed the outputs) includes its main (HTTP)
+    # thread; the client, a Python process that imported llmserve and read a tokenizer, used
+    # CPU of its own
+    assert 0 <= one["http_cpu_s"] <= one["server_cpu_s"] and one["server_cpu_s"] > 0
+    assert one["client_cpu_s"] > 0.5
     assert "median" in capsys.readouterr().out
 
 
 def test_the_verdict_is_the_median_pairs_against_the_target(svo):
-    pairs = [{"pair": i, "offline": 100.0, "server": s, "ratio": s / 100} for i, s in
+    cpu = {"http_cpu_s": 0.5, "server_cpu_s": 60.0, "client_cpu_s": 5.0}
+    pairs = [{"pair": i, "offline": 100.0, "server": s, "ratio": s / 100, **cpu} for i, s in
              enumerate([90.0, 96.0, 99.0], 1)]  # fmt: skip
     assert "median 0.960 (target >= 0.95: met)" in svo.summary(pairs, "float32")
     assert "NOT met" in svo.summary(pairs[:1], "bfloat16")
