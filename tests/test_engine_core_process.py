@@ -124,6 +124,12 @@ def test_greedy_text_and_logprobs_match_the_offline_llm(server, llm):
     assert sampled == pytest.approx(want, abs=1e-3)
     texts, _ = stream_texts(server, max_tokens=10)
     assert "".join(texts) == expected.text
+    # stream_interval: the core sends a request's output every 4 tokens (and its first and
+    # last), the deltas between them rebuilt whole on the server's side
+    texts, chunks = stream_texts(server, max_tokens=10, stream_interval=4, return_token_ids=True)
+    assert "".join(texts) == expected.text
+    assert [len(c["choices"][0]["token_ids"]) for c in chunks if c["choices"]][0] == 1
+    assert len(texts) <= 4  # after the first: tokens 5, 9 and the last (fewer if behind)
 
 
 def test_beam_search_matches_the_offline_llm(server, llm):
