@@ -26,6 +26,11 @@ back to back, the first engine alternating run by run (the four parts become thr
 engine's figure and its peer's are then a minute apart instead of a server's whole turn
 (6-12 minutes, over which this VM's speed has moved 10-20%); the CPU time the idle server
 takes meanwhile is recorded and printed.
+Each round ends with --svo-pairs (default 1) of benchmarks/server_vs_offline.py's pairs: the
+offline random batch, then at once a fresh llmserve server with llmserve's client on the same
+prompts, back to back; their ratio is the table's "server / offline, back to back" row, the
+measure of that target least moved by the VM's drift (the other two rows divide runs minutes
+apart).
 Every command's output is kept in --out/rN, with host.json (CPU flags, commit) and summary.md,
 the table printed at the end: each figure is the median over rounds, each ratio the median of
 the rounds' own ratios, and a target is met when that ratio meets it:
@@ -35,7 +40,8 @@ the rounds' own ratios, and a target is met when that ratio meets it:
     text2sql offline, tok/s      >= 1.2x vLLM's best cold run
     batch 1, tok/s               not below vLLM's (medians of three, prefill included)
     server / offline             >= 0.95 (llmserve's server at once, either client, against
-                                 the offline random 256/128 batch of the same round)
+                                 the offline random 256/128 batch of the same round; and
+                                 the back-to-back pairs above)
 """
 
 from __future__ import annotations
@@ -296,7 +302,21 @@ class Round:
         else:
             order = [self.vllm_server, self.llmserve_server, self.llmserve_offline,
                      self.vllm_offline]  # fmt: skip
-        return in_round_order(self.round_no, order)
+        last = [self.server_offline_pairs] if self.args.svo_pairs else []
+        return in_round_order(self.round_no, order) + last
+
+    def server_offline_pairs(self) -> None:
+        """--svo-pairs of server_vs_offline.py's back-to-back pairs (module doc), prompts of
+        their own (seeds 100 + 10 x round + pair)."""
+        import server_vs_offline  # it imports this module: imported here, when first needed
+
+        a = self.args
+        svo = argparse.Namespace(dtype=a.dtype, port=a.port, num_prompts=a.num_prompts,
+                                 input_len=256, output_len=128, stream_interval=1)  # fmt: skip
+        self.results["svo_pairs"] = [
+            server_vs_offline.pair(svo, 10 * self.round_no + i, self.out)
+            for i in range(1, a.svo_pairs + 1)
+        ]
 
     def start_vllm(self, port: int) -> Server:
         a = self.args
@@ -407,10 +427,18 @@ def main(argv: list[str] | None = None) -> None:
         help="both servers up at once, each client run on both back to back (default: one "
         "server at a time, each with its four runs)",
     )
+    p.add_argument(
+        "--svo-pairs",
+        type=int,
+        default=1,
+        help="server_vs_offline.py pairs at the end of each round (default 1; 0: none)",
+    )
     p.add_argument("--summarize", action="store_true", help="only rebuild summary.md from --out")
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error(f"--rounds must be at least 1, got {args.rounds}")
+    if args.svo_pairs < 0:
+        p.error(f"--svo-pairs must be 0 or more, got {args.svo_pairs}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.summarize:

@@ -55,6 +55,10 @@ def round_targets(one: dict) -> list[tuple[str, float, float, str]]:
     for client, who in CLIENTS.items():
         ratio = ours[client]["output_throughput"] / offline
         rows.append((f"server / offline ({who})", ratio, float("nan"), ">= 0.95"))
+    if one.get("svo_pairs"):  # runs before 2026-11-30 had none
+        ratio = statistics.median(p["ratio"] for p in one["svo_pairs"])
+        rows.append(("server / offline, back to back (llmserve's client)", ratio, float("nan"),
+                     ">= 0.95"))  # fmt: skip
     return rows
 
 

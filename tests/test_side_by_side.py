@@ -179,12 +179,15 @@ def test_rounds_take_medians_of_each_rounds_own_ratio(sbs, tmp_path, capsys):
 
 
 def test_even_rounds_run_in_reverse_with_prompts_of_their_own(sbs, tmp_path):
-    args = sbs.argparse.Namespace(out=str(tmp_path), dtype="float32", paired=False)
+    args = sbs.argparse.Namespace(out=str(tmp_path), dtype="float32", paired=False, svo_pairs=1)
     ids = tmp_path / "ids.json"
     odd, even = sbs.Round(args, 1, ids), sbs.Round(args, 2, ids)
     names = [part.__name__ for part in odd.parts()]
-    assert names == ["vllm_server", "llmserve_server", "llmserve_offline", "vllm_offline"]
-    assert [part.__name__ for part in even.parts()] == names[::-1]
+    four = ["vllm_server", "llmserve_server", "llmserve_offline", "vllm_offline"]
+    assert names == [*four, "server_offline_pairs"]  # the back-to-back pairs end every round
+    assert [part.__name__ for part in even.parts()] == [*four[::-1], "server_offline_pairs"]
+    args.svo_pairs = 0
+    assert [part.__name__ for part in odd.parts()] == four
     assert (tmp_path / "r1").is_dir() and (tmp_path / "r2").is_dir()
     seeds = [sbs.seed(r, run) for r in (1, 2, 3) for run in range(sbs.LCLIENT_RUN + 1)]
     assert len(set(seeds)) == len(seeds)  # no run repeats another's prompts
@@ -306,7 +309,8 @@ def test_paired_runs_each_client_on_both_servers_back_to_back(sbs, tmp_path, mon
 
     monkeypatch.setattr(sbs, "run", fake_run)
     args = sbs.argparse.Namespace(out=str(tmp_path), dtype="float32", num_prompts=8,
-                                  vllm_python="python", hf_dir="hf", paired=True)  # fmt: skip
+                                  vllm_python="python", hf_dir="hf", paired=True,
+                                  svo_pairs=0)  # fmt: skip
     servers = {"vllm": FakeServer(1), "llmserve": FakeServer(2)}
     for round_no in (1, 2):
         one = sbs.Round(args, round_no, tmp_path / "ids.json")
@@ -334,3 +338,33 @@ def test_summary_notes_a_paired_run(sbs, tmp_path):
     text = sbs.report.summary(data)
     assert "servers paired (--paired)" in text and "at most 1.50" in text
     assert "servers paired" not in sbs.report.summary(results(sbs, 151.6, 138.8))
+
+
+def test_rounds_end_with_back_to_back_pairs_of_their_own(sbs, tmp_path, monkeypatch):
+    """--svo-pairs: server_vs_offline.py's pairs at the end of a round, on the round's dtype and
+    port, prompts of their own (no seed shared across rounds and pairs); their median ratio
+    becomes the table's back-to-back row, which earlier results (no pairs) leave out."""
+    import server_vs_offline
+
+    calls = []
+
+    def fake_pair(args, pair_no, out):
+        calls.append((args.dtype, args.port, args.num_prompts, pair_no, out))
+        return {"pair": pair_no, "ratio": {11: 0.90, 12: 0.97, 13: 0.99, 21: 0.93}[pair_no]}
+
+    monkeypatch.setattr(server_vs_offline, "pair", fake_pair)
+    args = sbs.argparse.Namespace(out=str(tmp_path), dtype="bfloat16", port=8123, num_prompts=8,
+                                  paired=True, svo_pairs=3)  # fmt: skip
+    one = sbs.Round(args, 1, tmp_path / "ids.json")
+    one.server_offline_pairs()
+    assert calls == [("bfloat16", 8123, 8, n, one.out) for n in (11, 12, 13)]
+    data = results(sbs, 151.6, 138.8)
+    row = "server / offline, back to back (llmserve's client)"
+    assert row not in by_what(sbs, data)
+    data["svo_pairs"] = one.results["svo_pairs"]
+    assert by_what(sbs, data)[row][0] == pytest.approx(0.97) and by_what(sbs, data)[row][2]
+    data["svo_pairs"] = [fake_pair(args, 21, one.out)]
+    assert by_what(sbs, data)[row][2] is False
+    with pytest.raises(SystemExit):
+        sbs.main(["--vllm-python", "x", "--hf-dir", "x", "--out", str(tmp_path),
+                  "--svo-pairs", "-1"])  # fmt: skip
