@@ -50,18 +50,16 @@ import argparse
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import side_by_side_report as report  # noqa: E402
+from bench_processes import ROOT, Server, group_cpu_s, run  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
 PEER = ROOT / "benchmarks" / "vllm_cpu_peer.py"
 KV_BYTES = 1 << 30  # both engines: 1 GiB of KV cache (vLLM: VLLM_CPU_KVCACHE_SPACE=1)
 NAME = "smollm2"
@@ -83,56 +81,6 @@ def host_info() -> dict:
                             text=True)  # fmt: skip
     info["commit"] = commit.stdout.strip()
     return info
-
-
-class Server:
-    """A server command in its own process group (vLLM starts an engine-core process)."""
-
-    def __init__(self, cmd: list[str], log: Path, port: int) -> None:
-        self.url = f"http://127.0.0.1:{port}"
-        self._log = open(log, "w")
-        self._proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                      start_new_session=True)  # fmt: skip
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self._proc.returncode}; see {log}")
-            try:
-                urllib.request.urlopen(f"{self.url}/v1/models", timeout=2).close()
-                return
-            except OSError:
-                time.sleep(1)
-        self.close()
-        raise RuntimeError(f"server not up after 600 s; see {log}")
-
-    @property
-    def pgid(self) -> int:
-        return self._proc.pid  # the leader of the session it started
-
-    def __enter__(self) -> Server:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        if self._proc.poll() is None:
-            os.killpg(self._proc.pid, signal.SIGTERM)
-            try:
-                self._proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self._proc.pid, signal.SIGKILL)
-                self._proc.wait()
-        self._log.close()
-
-
-def run(cmd: list[str], log: Path) -> str:
-    """Run a command to its end; its output goes to log and is returned."""
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    log.write_text(proc.stdout + proc.stderr)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd[:4])} ... failed ({proc.returncode}); see {log}")
-    return proc.stdout
 
 
 def llmserve_cli(*argv: str) -> list[str]:
@@ -235,32 +183,6 @@ def clients(args: argparse.Namespace, url: str, tag: str, out: Path, round_no: i
     for label in run_order(round_no):
         runs[label](url, tag, results)
     return results
-
-
-def stat_fields(stat: Path) -> list[str] | None:
-    """A /proc .../stat file's fields after the ")" closing the name (state ppid pgrp ...
-    utime (12th) stime (13th)); None when the process or thread ended meanwhile."""
-    try:
-        return stat.read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-
-
-def thread_cpu_s(pid: int, tid: int) -> float:
-    """CPU seconds (user + system) one thread of a process has used so far (0 once gone)."""
-    fields = stat_fields(Path(f"/proc/{pid}/task/{tid}/stat"))
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK") if fields else 0.0
-
-
-def group_cpu_s(pgid: int) -> float:
-    """CPU seconds (user + system) the processes of a process group have used so far: a
-    server and its children (vLLM's engine core)."""
-    ticks = 0
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        fields = stat_fields(stat)
-        if fields is not None and int(fields[2]) == pgid:
-            ticks += int(fields[11]) + int(fields[12])
-    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def paired_clients(
