@@ -90,7 +90,8 @@ def summary(pairs: list[dict], dtype: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """This script's options (side_by_side.py builds its pairs' from them too)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--pairs", type=int, default=3)
@@ -103,6 +104,11 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.pairs < 1:
         p.error(f"--pairs must be at least 1, got {args.pairs}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -233,8 +233,9 @@ class Round:
         import server_vs_offline  # it imports this module: imported here, when first needed
 
         a = self.args
-        svo = argparse.Namespace(dtype=a.dtype, port=a.port, num_prompts=a.num_prompts,
-                                 input_len=256, output_len=128, stream_interval=1)  # fmt: skip
+        flags = ["--dtype", a.dtype, "--port", str(a.port), "--num-prompts", str(a.num_prompts),
+                 "--out", str(self.out)]  # fmt: skip
+        svo = server_vs_offline.parse_args(flags)  # the rest its defaults (256/128 tokens)
         self.results["svo_pairs"] = [
             server_vs_offline.pair(svo, 10 * self.round_no + i, self.out)
             for i in range(1, a.svo_pairs + 1)
