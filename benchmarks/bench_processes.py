@@ -1,7 +1,8 @@
 """The processes a benchmark script starts, and the CPU they use: a server in a process group of
 its own (``Server``, a context manager that waits for it to answer and ends the whole group),
-a command run to its end with its output kept (``run``), and CPU seconds read from /proc, of a
-process group (``group_cpu_s``) or of one thread (``thread_cpu_s``). Shared by
+a command run to its end with its output kept (``run``), CPU seconds read from /proc, of a
+process group (``group_cpu_s``) or of one thread (``thread_cpu_s``), and a wait for process
+groups to go quiet (``wait_until_quiet``). Shared by
 side_by_side.py and server_vs_offline.py."""
 
 from __future__ import annotations
@@ -90,3 +91,21 @@ def group_cpu_s(pgid: int) -> float:
         if fields is not None and int(fields[2]) == pgid:
             ticks += int(fields[11]) + int(fields[12])
     return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def wait_until_quiet(
+    pgids: list[int], window_s: float = 1.0, busy_cpu_s: float = 0.05, timeout_s: float = 30.0
+) -> float:
+    """Wait until each process group uses under busy_cpu_s CPU seconds in window_s: a server
+    still busy after its last run (vLLM's, measured on 2026-11-30, used 1.1 CPU s during the
+    run that followed its own, 0.3 s otherwise) would take that from the next run measured.
+    Gives up after timeout_s; returns the seconds waited."""
+    start = time.monotonic()
+    last = [group_cpu_s(pgid) for pgid in pgids]
+    while time.monotonic() - start < timeout_s:
+        time.sleep(window_s)
+        now = [group_cpu_s(pgid) for pgid in pgids]
+        if all(after - before < busy_cpu_s for before, after in zip(last, now)):
+            break
+        last = now
+    return time.monotonic() - start

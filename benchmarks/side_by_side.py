@@ -24,8 +24,9 @@ favours neither engine.
 With --paired both servers stay up through a round's client runs and each run goes to both
 back to back, the first engine alternating run by run (the four parts become three): an
 engine's figure and its peer's are then a minute apart instead of a server's whole turn
-(6-12 minutes, over which this VM's speed has moved 10-20%); the CPU time the idle server
-takes meanwhile is recorded and printed.
+(6-12 minutes, over which this VM's speed has moved 10-20%). Each run starts once both
+servers have been quiet for a second (vLLM's still used a core for a second or two after its
+own runs); the CPU time the idle server takes meanwhile is recorded and printed.
 Each round ends with --svo-pairs (default 1) of benchmarks/server_vs_offline.py's pairs: the
 offline random batch, then at once a fresh llmserve server with llmserve's client on the same
 prompts, back to back; their ratio is the table's "server / offline, back to back" row, the
@@ -58,9 +59,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import side_by_side_report as report  # noqa: E402
-from bench_processes import ROOT, Server, group_cpu_s, run  # noqa: E402
+from bench_processes import ROOT, Server, group_cpu_s, run, wait_until_quiet  # noqa: E402
 
 PEER = ROOT / "benchmarks" / "vllm_cpu_peer.py"
+QUIET_WINDOW_S = 1.0  # --paired: a server counts as idle after this long under 5% of a core
 KV_BYTES = 1 << 30  # both engines: 1 GiB of KV cache (vLLM: VLLM_CPU_KVCACHE_SPACE=1)
 NAME = "smollm2"
 FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
@@ -187,22 +189,26 @@ def clients(args: argparse.Namespace, url: str, tag: str, out: Path, round_no: i
 
 def paired_clients(
     args: argparse.Namespace, servers: dict[str, Server], out: Path, round_no: int
-) -> tuple[dict[str, dict], dict[str, float]]:
+) -> tuple[dict[str, dict], dict[str, float], list[float]]:
     """--paired: each client run on both servers back to back (both up throughout), the engine
     that goes first alternating from run to run and round to round, so the VM's drift between
-    two engines' figures is a minute's, not a server's whole turn. Returns each engine's
-    results by label, and the CPU seconds the idle server used during each of the other's runs
-    (what it took from the run measured)."""
+    two engines' figures is a minute's, not a server's whole turn. Each run starts once both
+    servers are quiet (wait_until_quiet: the last run's server may still be finishing up).
+    Returns each engine's results by label, the CPU seconds the idle server used during each
+    of the other's runs (what it took from the run measured), and the seconds waited."""
     runs = client_runs(args, out, round_no)
     results: dict[str, dict] = {tag: {} for tag in servers}
     idle_cpu_s: dict[str, float] = {}
+    waited_s: list[float] = []
+    pgids = [server.pgid for server in servers.values()]
     for i, label in enumerate(run_order(round_no)):
         for tag in in_round_order(round_no + i, list(servers)):
             idle = next(server for other, server in servers.items() if other != tag)
+            waited_s.append(round(wait_until_quiet(pgids, window_s=QUIET_WINDOW_S), 1))
             before = group_cpu_s(idle.pgid)
             runs[label](servers[tag].url, tag, results[tag])
             idle_cpu_s[f"{tag}-{label}"] = round(group_cpu_s(idle.pgid) - before, 2)
-    return results, idle_cpu_s
+    return results, idle_cpu_s, waited_s
 
 
 class Round:
@@ -269,10 +275,12 @@ class Round:
         with self.start_vllm(self.args.port) as vllm:
             with self.start_llmserve(self.args.port + 1) as ours:
                 servers = {"vllm": vllm, "llmserve": ours}
-                results, idle = paired_clients(self.args, servers, self.out, self.round_no)
+                results, idle, waited = paired_clients(self.args, servers, self.out,
+                                                       self.round_no)  # fmt: skip
         for tag, by_label in results.items():
             self.results[f"{tag}_server"] = by_label
         self.results["paired_idle_cpu_s"] = idle
+        self.results["paired_quiet_wait_s"] = waited
 
     def llmserve_offline(self) -> None:
         a, out = self.args, self.out

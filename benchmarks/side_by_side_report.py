@@ -106,9 +106,12 @@ def paired_note(rounds: list[dict]) -> list[str]:
     idle = [s for one in rounds for s in one.get("paired_idle_cpu_s", {}).values()]
     if not idle:
         return []
+    waited = [s for one in rounds for s in one.get("paired_quiet_wait_s", [])]
+    quiet = (f", each run started once both were quiet (waited {statistics.median(waited):.1f} s,"
+             f" median; at most {max(waited):.1f})" if waited else "")  # fmt: skip
     return [f"servers paired (--paired): both up throughout, each client run on both back to "
-            f"back; the idle server used {statistics.median(idle):.2f} CPU s during a run of "
-            f"the other (median; at most {max(idle):.2f})"]  # fmt: skip
+            f"back{quiet}; the idle server used {statistics.median(idle):.2f} CPU s during a "
+            f"run of the other (median; at most {max(idle):.2f})"]  # fmt: skip
 
 
 def env_text(settings: dict | None) -> str:

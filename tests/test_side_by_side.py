@@ -308,6 +308,7 @@ def test_paired_runs_each_client_on_both_servers_back_to_back(sbs, tmp_path, mon
             self.url, self.pgid = f"http://127.0.0.1:{port}", os.getpgrp()
 
     monkeypatch.setattr(sbs, "run", fake_run)
+    monkeypatch.setattr(sbs, "QUIET_WINDOW_S", 0.05)
     args = sbs.argparse.Namespace(out=str(tmp_path), dtype="float32", num_prompts=8,
                                   vllm_python="python", hf_dir="hf", paired=True,
                                   svo_pairs=0)  # fmt: skip
@@ -318,7 +319,7 @@ def test_paired_runs_each_client_on_both_servers_back_to_back(sbs, tmp_path, mon
             ["servers_paired", "llmserve_offline", "vllm_offline"][:: 1 if round_no % 2 else -1]
         )
         ran.clear()
-        results, idle = sbs.paired_clients(args, servers, one.out, round_no)
+        results, idle, waited = sbs.paired_clients(args, servers, one.out, round_no)
         labels = sbs.run_order(round_no)
         assert len(ran) == 2 * len(labels) == 8
         firsts = []
@@ -329,14 +330,35 @@ def test_paired_runs_each_client_on_both_servers_back_to_back(sbs, tmp_path, mon
         assert firsts == ["vllm", "llmserve", "vllm", "llmserve"][:: 1 if round_no % 2 else -1]
         assert set(results) == {"vllm", "llmserve"} and set(results["vllm"]) == set(labels)
         assert len(idle) == 8 and all(seconds >= 0 for seconds in idle.values())
+        assert len(waited) == 8 and all(0 < seconds < 30 for seconds in waited)
     assert sbs.group_cpu_s(os.getpgrp()) > 0  # this process's own CPU time, read from /proc
+
+
+def test_paired_runs_wait_for_a_busy_server_to_go_quiet(sbs):
+    """A process group that computes for a while, then sleeps: the wait ends after the busy
+    spell, not before it (and gives up at its timeout on one that never stops)."""
+    busy = ("import time\nt = time.monotonic()\nwhile time.monotonic() - t < {}: pass\n"
+            "time.sleep(60)")  # fmt: skip
+    procs = [subprocess.Popen([sys.executable, "-c", busy.format(seconds)],
+                              start_new_session=True) for seconds in (1.0, 60)]  # fmt: skip
+    try:
+        waited = sbs.wait_until_quiet([procs[0].pid], window_s=0.2)
+        assert 0.6 < waited < 10
+        assert sbs.group_cpu_s(procs[0].pid) >= 0.3  # it did compute meanwhile
+        assert 0.9 < sbs.wait_until_quiet([procs[1].pid], window_s=0.2, timeout_s=1.0) < 3
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
 
 
 def test_summary_notes_a_paired_run(sbs, tmp_path):
     data = results(sbs, 151.6, 138.8)
     data["paired_idle_cpu_s"] = {"vllm-vclient-inf": 0.5, "llmserve-vclient-4": 1.5}
+    data["paired_quiet_wait_s"] = [1.0, 3.0, 2.0]
     text = sbs.report.summary(data)
     assert "servers paired (--paired)" in text and "at most 1.50" in text
+    assert "quiet (waited 2.0 s, median; at most 3.0)" in text
     assert "servers paired" not in sbs.report.summary(results(sbs, 151.6, 138.8))
 
 
