@@ -1,20 +1,55 @@
-"""The processes a benchmark script starts, and the CPU they use: a server in a process group of
-its own (``Server``, a context manager that waits for it to answer and ends the whole group),
-a command run to its end with its output kept (``run``), CPU seconds read from /proc, of a
-process group (``group_cpu_s``) or of one thread (``thread_cpu_s``), and a wait for process
-groups to go quiet (``wait_until_quiet``). Shared by
-side_by_side.py and server_vs_offline.py."""
+"""The processes a benchmark script starts, and the CPU they use: llmserve's commands as the
+scripts run them (server, client, offline engine, on the same random batch and KV cache), a
+server in a process group of its own (``Server``, a context manager that waits for it to answer
+and ends the whole group), a command run to its end with its output kept (``run``), CPU seconds
+read from /proc, of a process group (``group_cpu_s``) or of one thread (``thread_cpu_s``), and
+a wait for process groups to go quiet (``wait_until_quiet``). Shared by side_by_side.py and
+server_vs_offline.py."""
 
 from __future__ import annotations
 
 import os
 import signal
 import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent  # commands run from the repository root
+KV_BYTES = 1 << 30  # every engine: 1 GiB of KV cache (vLLM: VLLM_CPU_KVCACHE_SPACE=1)
+NAME = "smollm2"  # the served model's name, llmserve's and vLLM's
+
+
+def llmserve_cli(*argv: str) -> list[str]:
+    return [sys.executable, "-m", "llmserve.entrypoints.cli", *argv]
+
+
+def llmserve_server_cli(dtype: str, port: int) -> list[str]:
+    """llmserve's server as both scripts start it: the peer's name, 1 GiB of KV cache."""
+    return llmserve_cli("serve", "--dtype", dtype, "--port", str(port), "--served-model-name",
+                        NAME, "--kv-cache-memory", str(KV_BYTES))  # fmt: skip
+
+
+def random_batch_flags(num_prompts: int, seed: int, input_len: int = 256,
+                       output_len: int = 128) -> list[str]:  # fmt: skip
+    """``llmserve bench``'s flags for the random batch that llmserve's client sends a server
+    and the offline engine runs (server / offline divides the two)."""
+    return ["--workload", "random", "--input-len", str(input_len), "--output-len",
+            str(output_len), "--num-prompts", str(num_prompts), "--dataset-seed", str(seed),
+            "--disable-tqdm"]  # fmt: skip
+
+
+def llmserve_client_cli(url: str, batch: list[str], output_json: Path) -> list[str]:
+    """llmserve's client sending ``batch`` (random_batch_flags) all at once."""
+    return llmserve_cli("bench", "serve", "--base-url", url, "--served-model-name", NAME, *batch,
+                        "--request-rate", "inf", "--output-json", str(output_json))  # fmt: skip
+
+
+def offline_cli(dtype: str, batch: list[str], output_json: Path) -> list[str]:
+    """The offline engine on ``batch`` with the server's KV cache."""
+    return llmserve_cli("bench", "throughput", *batch, "--dtype", dtype, "--kv-cache-memory",
+                        str(KV_BYTES), "--output-json", str(output_json))  # fmt: skip
 
 
 class Server:

@@ -34,12 +34,15 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_processes import Server, group_cpu_s, run, thread_cpu_s  # noqa: E402
-from side_by_side import (  # noqa: E402
+from bench_processes import (  # noqa: E402
+    Server,
+    group_cpu_s,
     llmserve_client_cli,
     llmserve_server_cli,
     offline_cli,
     random_batch_flags,
+    run,
+    thread_cpu_s,
 )
 
 TARGET = 0.95

@@ -58,13 +58,25 @@ from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import server_vs_offline  # noqa: E402
 import side_by_side_report as report  # noqa: E402
-from bench_processes import ROOT, Server, group_cpu_s, run, wait_until_quiet  # noqa: E402
+from bench_processes import (  # noqa: E402
+    KV_BYTES,
+    NAME,
+    ROOT,
+    Server,
+    group_cpu_s,
+    llmserve_cli,
+    llmserve_client_cli,
+    llmserve_server_cli,
+    offline_cli,
+    random_batch_flags,
+    run,
+    wait_until_quiet,
+)
 
 PEER = ROOT / "benchmarks" / "vllm_cpu_peer.py"
 QUIET_WINDOW_S = 1.0  # --paired: a server counts as idle after this long under 5% of a core
-KV_BYTES = 1 << 30  # both engines: 1 GiB of KV cache (vLLM: VLLM_CPU_KVCACHE_SPACE=1)
-NAME = "smollm2"
 FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
          "amx_tile", "amx_bf16")  # fmt: skip
 
@@ -83,37 +95,6 @@ def host_info() -> dict:
                             text=True)  # fmt: skip
     info["commit"] = commit.stdout.strip()
     return info
-
-
-def llmserve_cli(*argv: str) -> list[str]:
-    return [sys.executable, "-m", "llmserve.entrypoints.cli", *argv]
-
-
-def llmserve_server_cli(dtype: str, port: int) -> list[str]:
-    """llmserve's server as both scripts start it: the peer's name, 1 GiB of KV cache."""
-    return llmserve_cli("serve", "--dtype", dtype, "--port", str(port), "--served-model-name",
-                        NAME, "--kv-cache-memory", str(KV_BYTES))  # fmt: skip
-
-
-def random_batch_flags(num_prompts: int, seed: int, input_len: int = 256,
-                       output_len: int = 128) -> list[str]:  # fmt: skip
-    """``llmserve bench``'s flags for the random batch that llmserve's client sends a server
-    and the offline engine runs (server / offline divides the two)."""
-    return ["--workload", "random", "--input-len", str(input_len), "--output-len",
-            str(output_len), "--num-prompts", str(num_prompts), "--dataset-seed", str(seed),
-            "--disable-tqdm"]  # fmt: skip
-
-
-def llmserve_client_cli(url: str, batch: list[str], output_json: Path) -> list[str]:
-    """llmserve's client sending ``batch`` (random_batch_flags) all at once."""
-    return llmserve_cli("bench", "serve", "--base-url", url, "--served-model-name", NAME, *batch,
-                        "--request-rate", "inf", "--output-json", str(output_json))  # fmt: skip
-
-
-def offline_cli(dtype: str, batch: list[str], output_json: Path) -> list[str]:
-    """The offline engine on ``batch`` with the server's KV cache."""
-    return llmserve_cli("bench", "throughput", *batch, "--dtype", dtype, "--kv-cache-memory",
-                        str(KV_BYTES), "--output-json", str(output_json))  # fmt: skip
 
 
 LCLIENT_RUN = 3  # seed number of llmserve's client's run (vLLM's: 0-2) and of the offline random
@@ -236,8 +217,6 @@ class Round:
     def server_offline_pairs(self) -> None:
         """--svo-pairs of server_vs_offline.py's back-to-back pairs (module doc), prompts of
         their own (seeds 100 + 10 x round + pair)."""
-        import server_vs_offline  # it imports this module: imported here, when first needed
-
         a = self.args
         flags = ["--dtype", a.dtype, "--port", str(a.port), "--num-prompts", str(a.num_prompts),
                  "--out", str(self.out)]  # fmt: skip
