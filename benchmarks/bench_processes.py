@@ -117,6 +117,13 @@ def thread_cpu_s(pid: int, tid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK") if fields else 0.0
 
 
+def steal_s() -> float:
+    """Seconds the hypervisor has kept this VM's CPUs from it so far, summed over the CPUs
+    (/proc/stat's "steal"; 0 on a host that does not report it)."""
+    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+    return int(fields[8]) / os.sysconf("SC_CLK_TCK") if len(fields) > 8 else 0.0
+
+
 def group_cpu_s(pgid: int) -> float:
     """CPU seconds (user + system) the processes of a process group have used so far: a
     server and its children (vLLM's engine core)."""

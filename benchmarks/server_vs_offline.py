@@ -19,7 +19,10 @@ Every command's output is kept in --out, with results.json.
 Where the server's CPU goes during the client's run, per pair: the server's main thread (its
 event loop: HTTP, SSE, the outputs turned into chunks), the whole server process (the engine
 thread and the compute threads, which spin while they wait, so count busy), and the client
-process (start-up, tokenizing its prompts, reading the streams). ``--stream-interval N``
+process (start-up, tokenizing its prompts, reading the streams). Beside them, the offline
+run's whole process (start-up and model load included) and the VM's steal time during each
+half (/proc/stat): a pair whose halves differ and whose steal differs with them measures the
+VM, not the server. ``--stream-interval N``
 starts the servers with it (vLLM's flag: N new tokens in each streamed chunk).
 """
 
@@ -42,6 +45,7 @@ from bench_processes import (  # noqa: E402
     offline_cli,
     random_batch_flags,
     run,
+    steal_s,
     thread_cpu_s,
 )
 
@@ -52,19 +56,24 @@ def pair(args: argparse.Namespace, pair_no: int, out: Path) -> dict:
     """One pair's output tok/s: offline first, then the server on the same prompts."""
     batch = random_batch_flags(args.num_prompts, 100 + pair_no, args.input_len, args.output_len)
     offline_json, server_json = out / f"offline-{pair_no}.json", out / f"client-{pair_no}.json"
+    offline0, steal0 = _children_cpu_s(), steal_s()
     run(offline_cli(args.dtype, batch, offline_json), out / f"offline-{pair_no}.txt")
+    offline_cpu = {"offline_cpu_s": _children_cpu_s() - offline0,
+                   "offline_steal_s": steal_s() - steal0}  # fmt: skip
     log = out / f"server-{pair_no}.txt"
     server_cmd = llmserve_server_cli(args.dtype, args.port)
     server_cmd += ["--stream-interval", str(args.stream_interval)]
     with Server(server_cmd, log, args.port) as server:
         pid = server.pgid  # the server's process (its main thread has the same id)
         http0, server0 = thread_cpu_s(pid, pid), group_cpu_s(pid)
-        client0 = _children_cpu_s()
+        client0, steal0 = _children_cpu_s(), steal_s()
         run(llmserve_client_cli(server.url, batch, server_json), out / f"client-{pair_no}.txt")
         cpu = {
             "http_cpu_s": thread_cpu_s(pid, pid) - http0,
             "server_cpu_s": group_cpu_s(pid) - server0,
             "client_cpu_s": _children_cpu_s() - client0,
+            "server_steal_s": steal_s() - steal0,
+            **offline_cpu,
         }
     offline = json.loads(offline_json.read_text())["results"][0]["output_throughput"]
     served = json.loads(server_json.read_text())["output_throughput"]
@@ -81,12 +90,13 @@ def _children_cpu_s() -> float:
 def summary(pairs: list[dict], dtype: str) -> str:
     lines = [f"{dtype}: server / offline, {len(pairs)} pairs back to back", "",
              "| pair | offline tok/s | server tok/s | server / offline | CPU s: HTTP thread / "
-             "server / client |",
-             "| ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+             "server / client | offline run's CPU s | steal s: offline / server |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
     for p in pairs:
         cpu = f"{p['http_cpu_s']:.2f} / {p['server_cpu_s']:.1f} / {p['client_cpu_s']:.1f}"
+        steal = f"{p['offline_steal_s']:.1f} / {p['server_steal_s']:.1f}"
         lines.append(f"| {p['pair']} | {p['offline']:.1f} | {p['server']:.1f} | "
-                     f"{p['ratio']:.3f} | {cpu} |")  # fmt: skip
+                     f"{p['ratio']:.3f} | {cpu} | {p['offline_cpu_s']:.1f} | {steal} |")  # fmt: skip
     median = statistics.median(p["ratio"] for p in pairs)
     verdict = "met" if median >= TARGET else "NOT met"
     lines += ["", f"median {median:.3f} (target >= {TARGET}: {verdict})"]

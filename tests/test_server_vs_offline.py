@@ -32,12 +32,20 @@ def test_a_pair_runs_offline_then_a_server_on_the_same_prompts(svo, tmp_path, ca
     # CPU of its own
     assert 0 <= one["http_cpu_s"] <= one["server_cpu_s"] and one["server_cpu_s"] > 0
     assert one["client_cpu_s"] > 0.5
+    # the offline run's process loaded the model and computed its outputs; the VM's steal
+    # time over each half is a difference of a counter, so never negative
+    assert one["offline_cpu_s"] > 0.5
+    assert one["offline_steal_s"] >= 0 and one["server_steal_s"] >= 0
     assert "median" in capsys.readouterr().out
 
 
 def test_the_verdict_is_the_median_pairs_against_the_target(svo):
-    cpu = {"http_cpu_s": 0.5, "server_cpu_s": 60.0, "client_cpu_s": 5.0}
+    cpu = {"http_cpu_s": 0.5, "server_cpu_s": 60.0, "client_cpu_s": 5.0,
+           "offline_cpu_s": 70.0, "offline_steal_s": 0.4, "server_steal_s": 3.5}  # fmt: skip
     pairs = [{"pair": i, "offline": 100.0, "server": s, "ratio": s / 100, **cpu} for i, s in
              enumerate([90.0, 96.0, 99.0], 1)]  # fmt: skip
     assert "median 0.960 (target >= 0.95: met)" in svo.summary(pairs, "float32")
     assert "NOT met" in svo.summary(pairs[:1], "bfloat16")
+    assert "| 1 | 100.0 | 90.0 | 0.900 | 0.50 / 60.0 / 5.0 | 70.0 | 0.4 / 3.5 |" in svo.summary(
+        pairs, "float32"
+    )
