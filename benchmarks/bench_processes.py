@@ -117,10 +117,10 @@ def thread_cpu_s(pid: int, tid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK") if fields else 0.0
 
 
-def steal_s() -> float:
+def steal_s(stat: Path = Path("/proc/stat")) -> float:
     """Seconds the hypervisor has kept this VM's CPUs from it so far, summed over the CPUs
-    (/proc/stat's "steal"; 0 on a host that does not report it)."""
-    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+    (the "cpu" line's 8th count, "steal"; 0 where the kernel does not report it)."""
+    fields = stat.read_text().split("\n", 1)[0].split()
     return int(fields[8]) / os.sysconf("SC_CLK_TCK") if len(fields) > 8 else 0.0
 
 

@@ -5,6 +5,7 @@ and the client used, and the verdict."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from benchmark_scripts import load_script
@@ -49,3 +50,13 @@ def test_the_verdict_is_the_median_pairs_against_the_target(svo):
     assert "| 1 | 100.0 | 90.0 | 0.900 | 0.50 / 60.0 / 5.0 | 70.0 | 0.4 / 3.5 |" in svo.summary(
         pairs, "float32"
     )
+
+
+def test_steal_is_the_cpu_lines_eighth_count_in_seconds(svo, tmp_path):
+    tick = os.sysconf("SC_CLK_TCK")
+    stat = tmp_path / "stat"
+    # user nice system idle iowait irq softirq steal guest guest_nice, then a CPU's own line
+    stat.write_text(f"cpu  10 0 5 900 3 0 1 {7 * tick} 0 0\ncpu0 5 0 2 450 1 0 0 99 0 0\n")
+    assert svo.steal_s(stat) == 7.0
+    stat.write_text("cpu  10 0 5 900\n")  # a kernel without the steal column
+    assert svo.steal_s(stat) == 0.0
