@@ -9,16 +9,11 @@ import argparse
 import json
 import os
 import re
-import socket
-import subprocess
-import sys
-import tempfile
-import time
 
-import httpx
 import pytest
 
 from llmserve.entrypoints.cli import build_parser, main
+from tests.server_process import ServerProcess, free_port
 
 SMALL_ENGINE = ["--kv-cache-memory", "100000000", "--max-model-len", "512"]
 TINY = ["--num-prompts", "3", "--output-len", "4", "--disable-tqdm"]
@@ -142,55 +137,13 @@ def has_serve_command() -> bool:
     return any("serve" in a.choices for a in commands)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@pytest.fixture
-def server():
-    """``llmserve serve`` started as a user starts it; stopped (by its pid) afterwards."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = tempfile.NamedTemporaryFile(prefix="bench-server-", suffix=".log", delete=False)
-    command = [
-        sys.executable,
-        "-m",
-        "llmserve.entrypoints.cli",
-        "serve",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        *SMALL_ENGINE,
-    ]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-    try:
-        wait_healthy(proc, url, log.name)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-
-
-def wait_healthy(proc: subprocess.Popen, url: str, log_path: str, timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{open(log_path).read()}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2, trust_env=False).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"server not healthy after {timeout}s:\n{open(log_path).read()}")
+@pytest.fixture(scope="module")
+def server(tiny_model):
+    """``llmserve serve`` on the tiny model, started as a user starts it, shared by the
+    module's two runs against it; its URL."""
+    server = ServerProcess(*tiny_model, *SMALL_ENGINE, env={"OMP_NUM_THREADS": "1"})
+    yield server.url
+    server.close()
 
 
 @pytest.mark.skipif(not has_serve_command(), reason="`llmserve serve` does not exist yet")

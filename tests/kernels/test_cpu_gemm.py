@@ -34,6 +34,14 @@ from llmserve.layers.cpu_linear import (
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
 
 
+@pytest.fixture(autouse=True)
+def _inference_mode():
+    """Layers run as the engine runs them: oneDNN's linear on an input that carries autograd
+    history took 5-6 s per call on an AVX2 host (the packed-layer tests' 17 s)."""
+    with torch.inference_mode():
+        yield
+
+
 SHAPES = [  # (M, K, N)
     (1, 1, 1),
     (2, 20, 48),
