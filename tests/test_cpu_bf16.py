@@ -73,6 +73,8 @@ def test_bf16_cpp_backend_matches_torch_backend(cpp_llm, cpp_outputs):
 def test_bf16_avx2_path_matches_best_path(cpp_llm, cpp_outputs):
     if "avx2" not in cpu_kernels.supported_isas():
         pytest.skip("this CPU has no AVX2")
+    if cpu_kernels.current_isa() == "avx2":
+        pytest.skip("AVX2 is this CPU's best path: the module's other test ran it")
     with cpu_kernels.forced_isa("avx2"):
         avx2_outputs = _run(cpp_llm)
     assert _assert_agree(avx2_outputs, cpp_outputs) > 0.5

@@ -56,10 +56,9 @@ def test_byte_level_bpe_from_metadata(name, tmp_path, request):
     whole = name == GPT2_TYPE[0]
     vocabulary = request.getfixturevalue("smollm_vocabulary" if whole else "smollm_cut_vocabulary")
     reference = request.getfixturevalue("smollm_reference" if whole else "smollm_cut_reference")
+    # the reference is the default model's tokenizer: transformers builds none of these
+    # families' from a GGUF file ("not supported", after 8 s of reading the whole vocabulary)
     path, _ = tiny_gguf(tmp_path, name, vocabulary)
-    if whole:  # transformers builds none of them (one asked: 8 s per file of the whole one)
-        with pytest.raises(ValueError, match="not supported"):
-            AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=os.path.basename(path))
     for ours in (get_tokenizer(path), get_tokenizer(path)):  # built, then from the cache
         assert_same_tokenizer(ours, reference)
         assert len(ours) == len(vocabulary["tokens"])
