@@ -195,7 +195,8 @@ def own_amx_gemm_rows(in_features: int) -> int:
 
 class PackedLinear(Module):
     """``y = x @ W^T + b`` with ``W`` prepacked for llmserve's fp32 or bf16 GEMM or oneDNN
-    (inference only)."""
+    (inference only: the runner's steps run in inference mode; oneDNN's packed linear on an
+    input that carries autograd history took 5-6 s a call on an AVX2 host, 1000x slower)."""
 
     OWN_WEIGHTS = ("packed_weight", "f32_weight", "bf16_weight")  # oneDNN's are opaque: stay
 
