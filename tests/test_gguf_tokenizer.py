@@ -56,8 +56,8 @@ def test_byte_level_bpe_from_metadata(name, tmp_path, request):
     whole = name == GPT2_TYPE[0]
     vocabulary = request.getfixturevalue("smollm_vocabulary" if whole else "smollm_cut_vocabulary")
     reference = request.getfixturevalue("smollm_reference" if whole else "smollm_cut_reference")
-    # the reference is the default model's tokenizer: transformers builds none of these
-    # families' from a GGUF file ("not supported", after 8 s of reading the whole vocabulary)
+    # the references come from Llama files of the same vocabulary: transformers builds none of
+    # these families' tokenizers from a GGUF file ("not supported")
     path, _ = tiny_gguf(tmp_path, name, vocabulary)
     for ours in (get_tokenizer(path), get_tokenizer(path)):  # built, then from the cache
         assert_same_tokenizer(ours, reference)
