@@ -58,7 +58,7 @@ def pair(args: argparse.Namespace, pair_no: int, out: Path) -> dict:
     offline_json, server_json = out / f"offline-{pair_no}.json", out / f"client-{pair_no}.json"
     offline0, steal0 = _children_cpu_s(), steal_s()
     run(offline_cli(args.dtype, batch, offline_json), out / f"offline-{pair_no}.txt")
-    offline_cpu = {"offline_cpu_s": _children_cpu_s() - offline0,
+    offline_half = {"offline_cpu_s": _children_cpu_s() - offline0,
                    "offline_steal_s": steal_s() - steal0}  # fmt: skip
     log = out / f"server-{pair_no}.txt"
     server_cmd = llmserve_server_cli(args.dtype, args.port)
@@ -73,7 +73,7 @@ def pair(args: argparse.Namespace, pair_no: int, out: Path) -> dict:
             "server_cpu_s": group_cpu_s(pid) - server0,
             "client_cpu_s": _children_cpu_s() - client0,
             "server_steal_s": steal_s() - steal0,
-            **offline_cpu,
+            **offline_half,
         }
     offline = json.loads(offline_json.read_text())["results"][0]["output_throughput"]
     served = json.loads(server_json.read_text())["output_throughput"]
