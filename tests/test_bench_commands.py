@@ -5,14 +5,13 @@ No timing is asserted: these runs check that the tools work, not how fast anythi
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
 
 import pytest
 
-from llmserve.entrypoints.cli import build_parser, main
+from llmserve.entrypoints.cli import main
 from tests.server_process import ServerProcess, free_port
 
 SMALL_ENGINE = ["--kv-cache-memory", "100000000", "--max-model-len", "512"]
@@ -131,12 +130,6 @@ def test_sweep_writes_json_and_plots(tmp_path, capsys, tiny_model):
     assert "](sweep/latency_vs_request_rate.png)" in markdown
 
 
-def has_serve_command() -> bool:
-    parser = build_parser()
-    commands = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-    return any("serve" in a.choices for a in commands)
-
-
 @pytest.fixture(scope="module")
 def server(tiny_model):
     """``llmserve serve`` on the tiny model, started as a user starts it, shared by the
@@ -146,7 +139,6 @@ def server(tiny_model):
     server.close()
 
 
-@pytest.mark.skipif(not has_serve_command(), reason="`llmserve serve` does not exist yet")
 def test_serve_benchmark_against_real_server(server, tmp_path):
     out = tmp_path / "serve.json"
     argv = ["bench", "serve", "--base-url", server, *TINY, "--num-prompts", "4"]
@@ -168,7 +160,6 @@ def test_serve_benchmark_against_real_server(server, tmp_path):
     assert report["request_rate"] == "inf"
 
 
-@pytest.mark.skipif(not has_serve_command(), reason="`llmserve serve` does not exist yet")
 def test_serve_benchmark_says_what_went_wrong(server, capsys):
     """A wrong model name fails on the untimed first request, with the server's answer;
     a URL where nothing listens fails on listing the models."""
