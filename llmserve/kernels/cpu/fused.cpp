@@ -21,17 +21,13 @@
 // run time. Rows are spread over torch's intra-op threads with at::parallel_for (argmax_rows and
 // draw_rows: parallel_take, a row per chunk).
 
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <torch/library.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
 
-#include "bindings.h"
 #include "isa.h"
+#include "kernels_ops.h"
 #include "parallel.h"
 #include "vec.h"
 
@@ -44,7 +40,7 @@ enum class Act { kSilu, kGeluTanh };   // the gate of act_and_mul (fused_impl.h)
 #define LLMSERVE_ISA_IMPL "fused_impl.h"
 #include "per_isa.h"
 
-namespace {
+namespace llmserve::fused {
 
 using bf16 = uint16_t;  // raw bf16 bits; at::BFloat16 has the same layout
 
@@ -259,37 +255,4 @@ at::Tensor draw_rows(const at::Tensor& x, const at::Tensor& inv_temperature, con
   return out;
 }
 
-}  // namespace
-
-// the same functions for direct calls from Python (kernels_bindings.cpp: no dispatcher on the hot path)
-void llmserve_bind_fused(pybind11::module_& m) {
-  m.def("rms_norm", &rms_norm, ReleaseGil());
-  m.def("fused_add_rms_norm_", &fused_add_rms_norm_, ReleaseGil());
-  m.def("silu_and_mul", &silu_and_mul, ReleaseGil());
-  m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, ReleaseGil());
-  m.def("rotary_interleaved", &rotary_interleaved, ReleaseGil());
-  m.def("rotary_neox", &rotary_neox, ReleaseGil());
-  m.def("argmax_rows", &argmax_rows, ReleaseGil());
-  m.def("draw_rows", &draw_rows, ReleaseGil());
-}
-
-TORCH_LIBRARY_FRAGMENT(llmserve_cpu, m) {
-  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
-  m.def("fused_add_rms_norm_(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
-  m.def("silu_and_mul(Tensor x) -> Tensor");
-  m.def("gelu_tanh_and_mul(Tensor x) -> Tensor");
-  m.def("rotary_interleaved(Tensor x, Tensor positions, Tensor cis, int head_dim) -> Tensor");
-  m.def("rotary_neox(Tensor x, Tensor positions, Tensor cos, Tensor sin, int head_dim, "
-        "int rotary_dim) -> Tensor");
-  m.def("argmax_rows(Tensor x) -> Tensor");
-  m.def("draw_rows(Tensor x, Tensor inv_temperature, Tensor u, Tensor top_p, Tensor min_p)"
-        " -> Tensor");
-  m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);
-  m.impl("fused_add_rms_norm_", c10::DispatchKey::CPU, &fused_add_rms_norm_);
-  m.impl("silu_and_mul", c10::DispatchKey::CPU, &silu_and_mul);
-  m.impl("gelu_tanh_and_mul", c10::DispatchKey::CPU, &gelu_tanh_and_mul);
-  m.impl("rotary_interleaved", c10::DispatchKey::CPU, &rotary_interleaved);
-  m.impl("rotary_neox", c10::DispatchKey::CPU, &rotary_neox);
-  m.impl("argmax_rows", c10::DispatchKey::CPU, &argmax_rows);
-  m.impl("draw_rows", c10::DispatchKey::CPU, &draw_rows);
-}
+}  // namespace llmserve::fused

@@ -18,15 +18,11 @@
 // The body (gemm_impl.h) is compiled for AVX-512, AVX2 and plain C++; isa.h picks one at run
 // time.
 
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <torch/library.h>
-
 #include <algorithm>
 #include <cstdint>
 
-#include "bindings.h"
 #include "isa.h"
+#include "kernels_ops.h"
 #include "linear_io.h"
 #include "parallel.h"
 #include "vec.h"
@@ -46,7 +42,7 @@ constexpr int64_t kChunkOutputBytes = 256 << 10;
 #define LLMSERVE_ISA_IMPL "gemm_impl.h"
 #include "per_isa.h"
 
-namespace {
+namespace llmserve::gemm {
 
 int64_t num_panels(int64_t n) { return (n + kPanel - 1) / kPanel; }
 
@@ -82,19 +78,4 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& packed, int64_t n,
   return ::llmserve::linear_output(y, x, n);
 }
 
-}  // namespace
-
-// the same functions for direct calls from Python (kernels_bindings.cpp)
-void llmserve_bind_gemm(pybind11::module_& m) {
-  m.def("linear_f32_pack", &linear_f32_pack, ReleaseGil());
-  m.def("linear_f32", &linear_f32, ReleaseGil());
-}
-
-TORCH_LIBRARY_FRAGMENT(llmserve_cpu, m) {
-  m.def("linear_f32_pack(Tensor w) -> Tensor");
-  m.def(
-      "linear_f32(Tensor x, Tensor packed, int n, Tensor? bias, bool whole_panels=False) -> "
-      "Tensor");
-  m.impl("linear_f32_pack", c10::DispatchKey::CPU, &linear_f32_pack);
-  m.impl("linear_f32", c10::DispatchKey::CPU, &linear_f32);
-}
+}  // namespace llmserve::gemm

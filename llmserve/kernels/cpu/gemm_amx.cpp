@@ -30,10 +30,7 @@
 // A[m][2k+1] B[k][2n+1] in fp32), so that any host tests the kernel's addressing, tails and
 // threading; on AMX hosts the tests check the instructions against it.
 
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -45,13 +42,13 @@
 #include <unistd.h>
 #endif
 
-#include "bindings.h"
 #include "isa.h"
+#include "kernels_ops.h"
 #include "linear_io.h"
 #include "parallel.h"
 #include "vec.h"  // LLMSERVE_X86 (and immintrin.h there)
 
-namespace {
+namespace llmserve::gemm_amx {
 constexpr int64_t kPanel = 48;              // linear_bf16_pack's columns per panel
 constexpr int64_t kPairBytes = kPanel * 4;  // one k pair of a panel: 48 x 2 bf16
 constexpr int64_t kSliceColumns = 16;       // columns of a B tile (and of a C tile)
@@ -363,17 +360,4 @@ at::Tensor linear_bf16_amx(const at::Tensor& x, const at::Tensor& packed, int64_
   return ::llmserve::linear_output(y, x, n);
 }
 
-}  // namespace
-
-// the same functions for direct calls from Python (kernels_bindings.cpp)
-void llmserve_bind_gemm_amx(pybind11::module_& m) {
-  m.def("amx_ready", &amx_ready);
-  m.def("linear_bf16_amx", &linear_bf16_amx, ReleaseGil());
-}
-
-TORCH_LIBRARY_FRAGMENT(llmserve_cpu, m) {
-  m.def(
-      "linear_bf16_amx(Tensor x, Tensor packed, int n, Tensor? bias, bool emulate=False) -> "
-      "Tensor");
-  m.impl("linear_bf16_amx", c10::DispatchKey::CPU, &linear_bf16_amx);
-}
+}  // namespace llmserve::gemm_amx

@@ -36,20 +36,16 @@
 
 // Only the AVX512_BF16 code exists: PackedLinear packs for it only where the CPU has it.
 
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <torch/library.h>
-
 #include <algorithm>
 #include <cstdint>
 
-#include "bindings.h"
 #include "isa.h"
+#include "kernels_ops.h"
 #include "linear_io.h"
 #include "parallel.h"
 #include "vec.h"  // LLMSERVE_X86 (and immintrin.h there)
 
-namespace {
+namespace llmserve::gemm_bf16 {
 constexpr int64_t kPanel = 48;            // output columns per panel (3 vectors of 16)
 constexpr int64_t kTileRows = 8;          // rows per register tile
 constexpr int64_t kRowBlock = 256;        // rows of x per pass over the weight
@@ -261,18 +257,4 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n,
   return ::llmserve::linear_output(y, x, n);
 }
 
-}  // namespace
-
-// the same functions for direct calls from Python (kernels_bindings.cpp)
-void llmserve_bind_gemm_bf16(pybind11::module_& m) {
-  m.def("linear_bf16_pack", &linear_bf16_pack, ReleaseGil());
-  m.def("linear_bf16", &linear_bf16, ReleaseGil());
-}
-
-TORCH_LIBRARY_FRAGMENT(llmserve_cpu, m) {
-  m.def("linear_bf16_pack(Tensor w) -> Tensor");
-  m.def(
-      "linear_bf16(Tensor x, Tensor packed, int n, Tensor? bias, bool widen=False) -> Tensor");
-  m.impl("linear_bf16_pack", c10::DispatchKey::CPU, &linear_bf16_pack);
-  m.impl("linear_bf16", c10::DispatchKey::CPU, &linear_bf16);
-}
+}  // namespace llmserve::gemm_bf16

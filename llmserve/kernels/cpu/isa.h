@@ -10,7 +10,7 @@
 // instructions (vec.h: Vec256x2), so the tests check that code's logic on any AVX2 host.
 #pragma once
 
-#include <ATen/ATen.h>
+#include "aten.h"
 
 #include <string>
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))

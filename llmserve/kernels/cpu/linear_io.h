@@ -3,7 +3,7 @@
 // to the layer's width and x's leading dimensions.
 #pragma once
 
-#include <ATen/ATen.h>
+#include "aten.h"
 
 #include <cstdint>
 

@@ -36,10 +36,6 @@
 // visible token, and the scores of tokens before a row's window are masked as those past its
 // position are: a long context costs a windowed layer window tokens a row, not the context.
 
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <torch/library.h>
-
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -50,8 +46,8 @@
 #include <type_traits>
 #include <vector>
 
-#include "bindings.h"
 #include "isa.h"
+#include "kernels_ops.h"
 #include "parallel.h"
 #include "vec.h"
 
@@ -135,7 +131,7 @@ struct Scratch {
 #define LLMSERVE_ISA_IMPL "paged_attention_impl.h"
 #include "per_isa.h"
 
-namespace {
+namespace llmserve::attention {
 
 // Whether k_cache [blocks, block_size, kv_heads, D] is a view of a contiguous
 // [blocks, kv_heads, D, block_size] pool: the layout kv_cache.allocate gives the cpp backend.
@@ -368,20 +364,4 @@ std::string set_isa(const std::string& name) {
   return llmserve::isa_name(llmserve::current_isa());
 }
 
-}  // namespace
-
-void llmserve_bind_paged_attention(pybind11::module_& m) {
-  m.def("paged_decode_attention", &paged_decode_attention, ReleaseGil());
-  m.def("decode_attention", &decode_attention, ReleaseGil());
-  m.def("paged_attention", &paged_attention, ReleaseGil());
-  m.def("amd_family", &llmserve::amd_family);
-  m.def("widens_bf16", &llmserve::widens_bf16);
-}
-
-TORCH_LIBRARY(llmserve_cpu, m) {
-  m.def(
-      "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-      "Tensor seq_lens, float scale, Tensor(a!) out, int window=0) -> ()");
-  m.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);
-  m.def("set_isa(str name) -> str", &set_isa);
-}
+}  // namespace llmserve::attention

@@ -5,8 +5,7 @@
 // portable code and the per-call drivers), with the group sums the mins term needs.
 #pragma once
 
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
+#include "aten.h"
 
 #include <algorithm>
 #include <cmath>

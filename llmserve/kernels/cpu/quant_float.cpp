@@ -18,10 +18,6 @@
 //
 // No -march: the hot loops are compiled for x86-64-v4 (AVX-512), v3 (AVX2+FMA) and the
 // baseline by GCC's target_clones, which picks one when the library loads.
-#include <ATen/Parallel.h>
-#include <torch/library.h>
-#include <ATen/ATen.h>
-
 #include <immintrin.h>
 
 #include <algorithm>
@@ -29,7 +25,7 @@
 #include <cstring>
 #include <vector>
 
-#include "bindings.h"
+#include "quant_ops.h"
 
 namespace {
 
@@ -292,7 +288,9 @@ Weight make_weight(const at::Tensor& qweight, const at::Tensor& scales,
   return w;
 }
 
-at::Tensor quant_linear_f32(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& scales,
+}  // namespace
+
+at::Tensor llmserve_quant::quant_linear_f32(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& scales,
                             const c10::optional<at::Tensor>& mins, const c10::optional<at::Tensor>& lut,
                             const c10::optional<at::Tensor>& perm, int64_t bits, int64_t group,
                             const c10::optional<at::Tensor>& bias, const std::string& isa,
@@ -333,16 +331,3 @@ at::Tensor quant_linear_f32(const at::Tensor& x_in, const at::Tensor& qweight, c
   if (bias.has_value() && bias->defined()) y.add_(*bias);
   return y;
 }
-
-}  // namespace
-
-void llmserve_bind_quant_float(pybind11::module_& m) { m.def("quant_linear_f32", &quant_linear_f32, ReleaseGil()); }
-
-TORCH_LIBRARY_FRAGMENT(llmserve_quant, m) {
-  m.def(
-      "quant_linear_f32(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, Tensor? lut, "
-      "Tensor? perm, int bits, int group_size, Tensor? bias, str isa=\"auto\", "
-      "bool bf16_gemm=False) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(llmserve_quant, CPU, m) { m.impl("quant_linear_f32", &quant_linear_f32); }

@@ -22,13 +22,9 @@
 // their own target attributes and are chosen at run time by __builtin_cpu_supports, so one
 // build runs on AVX2-only and AVX-512 hosts alike. "scalar" is portable C++.
 
-#include "bindings.h"
 #include "quant_gemm.h"
 #include "quant_activations.h"
-
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <torch/library.h>
+#include "quant_ops.h"
 
 #include <algorithm>
 #include <cmath>
@@ -261,8 +257,10 @@ at::Tensor run_simd(const PairActs& pairs, const Problem& pb, const WeightView& 
   return y;
 }
 
+}  // namespace
+
 // ---------------------------------------------------------------------------------------------
-// Ops
+// Ops (quant_ops.h)
 
 std::tuple<at::Tensor, at::Tensor> quantize_activations(const at::Tensor& x) {
   check_tensor(x, at::kFloat, "x");
@@ -329,21 +327,4 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
 
 std::string resolve_isa(const std::string& isa) { return isa_name(parse_isa(isa)); }
 
-}  // namespace
 }  // namespace llmserve_quant
-
-void llmserve_bind_quant_gemm(pybind11::module_& m) { m.def("quant_linear", &llmserve_quant::quant_linear, ReleaseGil()); }
-
-TORCH_LIBRARY(llmserve_quant, m) {
-  m.def("quantize_activations(Tensor x) -> (Tensor, Tensor)");
-  m.def(
-      "quant_gemm(Tensor xq, Tensor xs, Tensor qweight, Tensor scales, Tensor? mins, Tensor? lut, "
-      "int bits, int group_size, Tensor? bias, str isa) -> Tensor");
-  m.def(
-      "quant_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, Tensor? lut, Tensor? perm, "
-      "int bits, int group_size, Tensor? bias, str isa, int act_digits=1) -> Tensor");
-  m.def("resolve_isa(str isa) -> str", &llmserve_quant::resolve_isa);
-  m.impl("quantize_activations", c10::DispatchKey::CPU, &llmserve_quant::quantize_activations);
-  m.impl("quant_gemm", c10::DispatchKey::CPU, &llmserve_quant::quant_gemm);
-  m.impl("quant_linear", c10::DispatchKey::CPU, &llmserve_quant::quant_linear);
-}

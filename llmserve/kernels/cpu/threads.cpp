@@ -11,11 +11,11 @@
 #include <cstdint>
 #include <vector>
 
-#include "bindings.h"
+#include "kernels_ops.h"
 
 // pins team slot i (slot 0: the calling thread) to cpus[i]; returns how many slots were
 // pinned: fewer than cpus.size() when the team came up smaller or the OS refused a CPU
-static int64_t bind_threads(const std::vector<int64_t>& cpus) {
+int64_t llmserve::threads::bind_threads(const std::vector<int64_t>& cpus) {
   const int n = static_cast<int>(cpus.size());
   if (n == 0) return 0;
   std::atomic<int64_t> pinned{0};
@@ -27,8 +27,4 @@ static int64_t bind_threads(const std::vector<int64_t>& cpus) {
     if (sched_setaffinity(0, sizeof(set), &set) == 0) pinned++;
   }
   return pinned.load();
-}
-
-void llmserve_bind_threads(pybind11::module_& m) {
-  m.def("bind_threads", &bind_threads, ReleaseGil());
 }
