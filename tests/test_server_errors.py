@@ -167,6 +167,11 @@ def test_messages_say_what_is_allowed(server):
     assert "suffix" in error["message"] and "not supported" in error["message"]
     error = assert_error(post(server, _COMPLETION, {"prompt": "hi", "prompt_logprobs": 0}), 400)
     assert "echo: true with logprobs" in error["message"]
+    image = {"type": "image_url", "image_url": {"url": "http://127.0.0.1/a.png"}}
+    error = assert_error(
+        post(server, _CHAT, {"messages": [{"role": "user", "content": [image]}]}), 400, "messages"
+    )
+    assert error["message"] == "messages.0.content.0.type: Input should be 'text'"  # not "a string"
     unset = {"best_of": 1, "suffix": "", "prompt_logprobs": None}  # the defaults still pass
     ok = post(server, _COMPLETION, {"prompt": "hi", "max_tokens": 2, **unset})
     assert ok.status_code == 200 and len(ok.json()["choices"]) == 1

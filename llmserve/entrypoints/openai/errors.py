@@ -106,9 +106,24 @@ def _is_field(part: Any) -> bool:
     return isinstance(part, int) or (part != "body" and part not in _TYPE_TAGS and "[" not in part)
 
 
+def _field_path(error: dict[str, Any]) -> list[str]:
+    return [str(part) for part in error.get("loc", ()) if _is_field(part)]
+
+
+def _most_specific(errors: list[dict[str, Any]]) -> dict[str, Any]:
+    """The first error, or where the field is a union (one error per branch) the branch's
+    error that reaches deepest into the value: content given as a list of parts that fails on
+    a part's ``type`` says so, rather than that the content is not a string."""
+    if not errors:
+        return {"msg": "invalid request", "loc": ()}
+    field = _field_path(errors[0])
+    same_field = [e for e in errors if _field_path(e)[: len(field)] == field]
+    return max(same_field, key=lambda e: len(_field_path(e)))  # the first of the deepest
+
+
 def _validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
-    first = errors[0] if errors else {"msg": "invalid request", "loc": ()}
-    loc = [str(part) for part in first.get("loc", ()) if _is_field(part)]
+    first = _most_specific(errors)
+    loc = _field_path(first)
     if first.get("type") == "json_invalid":
         detail = first.get("ctx", {}).get("error", "")
         return f"The request body is not valid JSON: {detail}".rstrip(": "), None
