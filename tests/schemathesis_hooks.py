@@ -4,8 +4,8 @@ Some rules of the server depend on more than one field's JSON type, so no JSON S
 state them, and generated bodies that could break them are skipped here (each rule is tested
 elsewhere):
 
-- constraint contents (a JSON schema, regex or grammar inside structured_outputs or
-  response_format) are compiled by llguidance; one that does not compile is a 400
+- constraint contents (a JSON schema, regex or grammar inside structured_outputs,
+  response_format or text.format) are compiled by llguidance; one that does not compile is a 400
   (tests/test_structured_output.py);
 - the prompt must fit the context, and its token count depends on the tokenizer
   (tests/test_llm_api.py); a body is kept when an upper bound of its tokens fits: one token
@@ -36,6 +36,16 @@ def _text_tokens(value) -> int:
 
 
 def _prompt_tokens(body: dict) -> int:
+    if "input" in body:  # /v1/responses: instructions and input through the chat template
+        items = body.get("input")
+        items = items if isinstance(items, list) else [items]
+        return (
+            TEMPLATE_TOKENS
+            + _text_tokens(body.get("tools") or []) * 2
+            + PER_MESSAGE_TOKENS
+            + _text_tokens(body.get("instructions") or "")
+            + sum(PER_MESSAGE_TOKENS + _text_tokens(item) for item in items)
+        )
     if "messages" in body:
         messages = body.get("messages") or []
         tools = body.get("tools")
@@ -60,10 +70,16 @@ def filter_body(ctx, body):
     fmt = body.get("response_format")
     if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
         return False
-    if "prompt" not in body and "messages" not in body:
+    text = body.get("text")
+    fmt = text.get("format") if isinstance(text, dict) else None
+    if isinstance(fmt, dict) and fmt.get("type") == "json_schema":  # /v1/responses' own
+        return False
+    if "prompt" not in body and "messages" not in body and "input" not in body:
         return True
     prompt = _prompt_tokens(body)
-    requested = body.get("max_completion_tokens") or body.get("max_tokens")
+    requested = (
+        body.get("max_completion_tokens") or body.get("max_tokens") or body.get("max_output_tokens")
+    )
     if not isinstance(requested, int):
         requested = 16 if "prompt" in body else MAX_MODEL_LEN - prompt
     if prompt >= MAX_MODEL_LEN:

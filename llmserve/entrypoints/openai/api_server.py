@@ -44,9 +44,11 @@ from llmserve.entrypoints.openai.protocol import (
     dump,
 )
 from llmserve.entrypoints.openai.protocol_chat import ChatCompletionRequest, ChatCompletionResponse
+from llmserve.entrypoints.openai.protocol_responses import ResponseObject, ResponsesRequest
 from llmserve.entrypoints.openai.serving_base import EventStream, ServingBase, ServingOptions
 from llmserve.entrypoints.openai.serving_chat import OpenAIServingChat, check_continuation
 from llmserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from llmserve.entrypoints.openai.serving_responses import OpenAIServingResponses
 from llmserve.entrypoints.openai.stats_logger import StatsLogger, log_interval_s
 
 T = TypeVar("T")
@@ -60,11 +62,12 @@ router = APIRouter()
 
 @dataclass
 class ServerState:
-    """What the routes need: the engine, the two serving layers, the metrics."""
+    """What the routes need: the engine, the serving layers, the metrics."""
 
     engine: AsyncLLMEngine
     completion: OpenAIServingCompletion
     chat: OpenAIServingChat
+    responses: OpenAIServingResponses
     metrics: ServerMetrics
     model_names: list[str]
 
@@ -84,10 +87,12 @@ def build_app(
     ``log_stats``: the periodic stats line (stats_logger.py); ``docs``: /docs, /redoc and
     /openapi.json."""
     names = model_names or [engine.engine.model_name]
+    chat = OpenAIServingChat(engine, names, options)
     state = ServerState(
         engine=engine,
         completion=OpenAIServingCompletion(engine, names, options),
-        chat=OpenAIServingChat(engine, names, options),
+        chat=chat,
+        responses=OpenAIServingResponses(chat),
         metrics=ServerMetrics(engine),
         model_names=names,
     )
@@ -214,7 +219,30 @@ async def create_chat_completion(request: ChatCompletionRequest, raw: Request) -
     return _respond(serving, await _until_disconnect(raw, serving.create(request)))
 
 
-def _respond(serving: ServingBase, result: Any) -> Response:
+_RESPONSE_EVENTS = {  # with stream: true, the Responses API's typed events
+    "text/event-stream": {
+        "schema": {
+            "type": "object",
+            "description": "one server-sent event: `event: <type>` and `data: <event JSON>` "
+            "(response.created, response.output_text.delta, ..., response.completed)",
+            "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+            "required": ["data"],
+        }
+    }
+}
+
+
+@router.post(
+    "/v1/responses",
+    responses={200: {"model": ResponseObject, "content": _RESPONSE_EVENTS}, **_ERRORS},
+)
+async def create_response(request: ResponsesRequest, raw: Request) -> Response:
+    """Answer ``input`` as OpenAI's Responses API (``stream`` for its typed events)."""
+    serving = _state(raw).responses
+    return _respond(serving, await _until_disconnect(raw, serving.create(request)))
+
+
+def _respond(serving: ServingBase | OpenAIServingResponses, result: Any) -> Response:
     if result is None:  # the client is gone; nobody reads this
         return Response(status_code=499)
     if isinstance(result, EventStream):
@@ -227,7 +255,9 @@ def _respond(serving: ServingBase, result: Any) -> Response:
     return JSONResponse(dump(result))
 
 
-async def _abort(serving: ServingBase, streams: list[RequestStream]) -> None:
+async def _abort(
+    serving: ServingBase | OpenAIServingResponses, streams: list[RequestStream]
+) -> None:
     """Async, so that starlette runs it on the loop rather than through a worker thread."""
     serving.abort(streams)
 

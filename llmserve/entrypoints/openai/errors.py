@@ -102,8 +102,12 @@ def _param_of(message: str) -> str | None:
 
 
 def _is_field(part: Any) -> bool:
-    """Keep field names and list indexes of a pydantic location; drop union type tags."""
-    return isinstance(part, int) or (part != "body" and part not in _TYPE_TAGS and "[" not in part)
+    """Keep field names and list indexes of a pydantic location; drop union type tags (the
+    types' names: "str", "list[ContentPart]", "NamedToolChoice"; the API's fields are lower
+    case)."""
+    if isinstance(part, int):
+        return True
+    return part != "body" and part not in _TYPE_TAGS and "[" not in part and not part[:1].isupper()
 
 
 def _field_path(error: dict[str, Any]) -> list[str]:
@@ -118,7 +122,14 @@ def _most_specific(errors: list[dict[str, Any]]) -> dict[str, Any]:
         return {"msg": "invalid request", "loc": ()}
     field = _field_path(errors[0])
     same_field = [e for e in errors if _field_path(e)[: len(field)] == field]
-    return max(same_field, key=lambda e: len(_field_path(e)))  # the first of the deepest
+    # the first of the deepest, a branch whose type the value had (a list that is empty
+    # rather than "not a string") before one it had not
+    return max(same_field, key=lambda e: (len(_field_path(e)), not _type_mismatch(e)))
+
+
+def _type_mismatch(error: dict[str, Any]) -> bool:
+    kind = str(error.get("type", ""))
+    return kind.endswith("_type") or kind in ("none_required", "model_attributes_type")
 
 
 def _validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:

@@ -47,6 +47,16 @@ class OpenAIServingChat(ServingBase):
 
     async def create(self, request: ChatCompletionRequest) -> ChatCompletionResponse | EventStream:
         """Queue the conversation; a response, or (``stream``) an SSE event stream."""
+        request_id, stream, how = await self.queue(request)
+        if request.stream:
+            return EventStream(self._stream(request, request_id, stream, how), [stream])
+        (out,) = await self.final_outputs([stream])
+        return self.response(request, request_id, how, out)
+
+    async def queue(
+        self, request: ChatCompletionRequest, id_prefix: str = "chatcmpl"
+    ) -> tuple[str, RequestStream, str]:
+        """Template the conversation and queue it: (request id, its stream, the tool mode)."""
         self.check_model(request.model)
         how = tool_calls.mode(request)
         tool_calls.check_tools(request)
@@ -60,14 +70,17 @@ class OpenAIServingChat(ServingBase):
         )
         schema = tool_calls.call_schema(request, how)
         params = chat_params(request, self.vocab_size, schema, self.sampling_defaults)
-        request_id = random_id("chatcmpl")
+        request_id = random_id(id_prefix)
         prompt = {"prompt_token_ids": prompt_ids}
-        streams = await self.add_all(
+        (stream,) = await self.add_all(
             request_id, [prompt], params, request.priority, request.cache_salt
         )
-        if request.stream:
-            return EventStream(self._stream(request, request_id, streams[0], how), streams)
-        (out,) = await self.final_outputs(streams)
+        return request_id, stream, how
+
+    def response(
+        self, request: ChatCompletionRequest, request_id: str, how: str, out: RequestOutput
+    ) -> ChatCompletionResponse:
+        """The whole reply to a request that did not stream."""
         echoed = _echoed(request)
         choices = []
         for c in out.outputs:
@@ -166,12 +179,23 @@ class OpenAIServingChat(ServingBase):
     async def _events(
         self, request: ChatCompletionRequest, request_id: str, stream: RequestStream, how: str
     ) -> AsyncIterator[str]:
+        async with aclosing(self.chunks(request, request_id, stream, how)) as chunks:
+            async for chunk in chunks:
+                yield sse(chunk.model_dump_json())
+        yield SSE_DONE
+
+    async def chunks(
+        self, request: ChatCompletionRequest, request_id: str, stream: RequestStream, how: str
+    ) -> AsyncIterator[ChatCompletionChunk]:
+        """The stream's chunks as objects (the role first, then text as it comes; with tools,
+        the reply at its end; the usage last where stream_options asks)."""
+
         def event(
             choices: list[ChatStreamChoice],
             usage: UsageInfo | None = None,
             prompt_token_ids: list[int] | None = None,
-        ) -> str:
-            body = ChatCompletionChunk(
+        ) -> ChatCompletionChunk:
+            return ChatCompletionChunk(
                 id=request_id,
                 created=created,
                 model=self.model_name,
@@ -179,7 +203,6 @@ class OpenAIServingChat(ServingBase):
                 usage=usage,
                 prompt_token_ids=prompt_token_ids,
             )
-            return sse(body.model_dump_json())
 
         created = int(time.time())
         echoed = _echoed(request)
@@ -209,7 +232,6 @@ class OpenAIServingChat(ServingBase):
                         yield event([choice], self.running_usage(request, out, c))
         if out is not None and request.stream_options and request.stream_options.include_usage:
             yield event([], self.usage([out]))
-        yield SSE_DONE
 
     def _chunk_choice(
         self, request: ChatCompletionRequest, state: ChoiceProgress, c: CompletionOutput
