@@ -154,7 +154,8 @@ def test_text_format_json_schema(client, model):
                                         "schema": schema}})  # fmt: skip
     assert response.status == "completed"
     jsonschema.validate(json.loads(response.output_text), schema)
-    assert response.text.format.type == "json_schema"
+    echoed = {k: v for k, v in response.to_dict()["text"]["format"].items() if v is not None}
+    assert echoed == {"type": "json_schema", "name": "person", "schema": schema}
 
 
 def test_logprobs_when_included(client, model):

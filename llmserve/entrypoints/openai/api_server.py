@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP server: routes, API-key check, client-disconnect aborts.
 
-    POST /v1/completions  POST /v1/chat/completions  GET /v1/models
+    POST /v1/completions  POST /v1/chat/completions  POST /v1/responses  GET /v1/models
     GET /v1/models/{name}  POST /tokenize  POST /detokenize  GET /health (and /ping)
     GET /version  GET /metrics  /openapi.json
 

@@ -348,5 +348,5 @@ class VersionResponse(OpenAIModel):
 
 
 def dump(model: BaseModel) -> dict[str, Any]:
-    """JSON-ready dict of a response model."""
-    return model.model_dump(mode="json")
+    """JSON-ready dict of a response model (fields under their JSON names: "schema")."""
+    return model.model_dump(mode="json", by_alias=True)
