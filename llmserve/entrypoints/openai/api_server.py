@@ -186,17 +186,25 @@ def _state(raw: Request) -> ServerState:
 
 
 # ---- generation ---------------------------------------------------------------------------
-_SSE = {  # with stream: true, server-sent events, one per chunk, `data: [DONE]` last
-    "text/event-stream": {
-        "schema": {
-            "type": "object",
-            "description": "one server-sent event: `data: <chunk JSON>` (a completion or "
-            "chat.completion.chunk object), or `data: [DONE]` at the end",
-            "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
-            "required": ["data"],
-        }
+def _sse(description: str) -> dict[str, Any]:
+    """The OpenAPI content of a streamed reply: server-sent events, as ``description`` says."""
+    schema = {
+        "type": "object",
+        "description": description,
+        "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+        "required": ["data"],
     }
-}
+    return {"text/event-stream": {"schema": schema}}
+
+
+_SSE = _sse(  # with stream: true, one event per chunk, `data: [DONE]` last
+    "one server-sent event: `data: <chunk JSON>` (a completion or chat.completion.chunk "
+    "object), or `data: [DONE]` at the end"
+)
+_RESPONSE_EVENTS = _sse(  # with stream: true, the Responses API's typed events
+    "one server-sent event: `event: <type>` and `data: <event JSON>` (response.created, "
+    "response.output_text.delta, ..., response.completed)"
+)
 
 
 @router.post(
@@ -217,19 +225,6 @@ async def create_chat_completion(request: ChatCompletionRequest, raw: Request) -
     """Answer a conversation (``stream`` for server-sent events)."""
     serving = _state(raw).chat
     return _respond(serving, await _until_disconnect(raw, serving.create(request)))
-
-
-_RESPONSE_EVENTS = {  # with stream: true, the Responses API's typed events
-    "text/event-stream": {
-        "schema": {
-            "type": "object",
-            "description": "one server-sent event: `event: <type>` and `data: <event JSON>` "
-            "(response.created, response.output_text.delta, ..., response.completed)",
-            "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
-            "required": ["data"],
-        }
-    }
-}
 
 
 @router.post(
