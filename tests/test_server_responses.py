@@ -165,8 +165,10 @@ def test_logprobs_when_included(client, model):
     assert len(logprobs) == response.usage.output_tokens == 4
     assert all(len(p.top_logprobs) == 2 and p.logprob <= 0 for p in logprobs)
     assert "".join(p.token for p in logprobs) == response.output_text
-    plain = respond(client, model, input="Hi", max_output_tokens=4)
-    assert plain.output[0].content[0].logprobs is None
+    plain = respond(client, model, input="Hi", max_output_tokens=4,
+                    include=["reasoning.encrypted_content"])  # fmt: skip
+    assert plain.output[0].content[0].logprobs is None  # and no reasoning item to include
+    assert [item.type for item in plain.output] == ["message"]
 
 
 @pytest.mark.parametrize(
@@ -182,6 +184,7 @@ def test_logprobs_when_included(client, model):
         ({"tool_choice": "required"}, "tool_choice", "tools"),
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text", "needs schema"),
         ({"truncation": "auto"}, "truncation", "'disabled'"),
+        ({"include": ["output_text.annotations"]}, "include", "message.output_text.logprobs"),
     ],
 )  # fmt: skip
 def test_what_is_not_served_is_a_clear_400(server, model, body, param, words):

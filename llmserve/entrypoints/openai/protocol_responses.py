@@ -120,6 +120,19 @@ NoBackground = Annotated[
     bool, Field(json_schema_extra={"const": False}), AfterValidator(_refuse_background)
 ]
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
+# OpenAI's values of include: the logprobs are given on request; the others name outputs this
+# server never makes (reasoning items, built-in tools' results, images), so asking for them
+# adds nothing, as asking OpenAI for them on a response without such items
+Include = Literal[
+    "message.output_text.logprobs",
+    "reasoning.encrypted_content",
+    "file_search_call.results",
+    "web_search_call.results",
+    "web_search_call.action.sources",
+    "code_interpreter_call.outputs",
+    "computer_call_output.output.image_url",
+    "message.input_image.image_url",
+]
 
 _FORMAT_NEEDS_SCHEMA = {  # text.format json_schema needs its name and schema
     "if": {
@@ -174,7 +187,7 @@ class ResponsesRequest(OpenAIModel):
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
     top_logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = None
-    include: list[Literal["message.output_text.logprobs"]] | None = None
+    include: list[Include] | None = None
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
     parallel_tool_calls: bool = True
