@@ -22,7 +22,7 @@ from pydantic import ValidationError
 
 from llmserve.engine.request_stream import RequestStream
 from llmserve.entrypoints.openai.errors import OpenAIError, error_from_exception
-from llmserve.entrypoints.openai.protocol import ToolCall, UsageInfo
+from llmserve.entrypoints.openai.protocol import ToolCall, UsageInfo, dump
 from llmserve.entrypoints.openai.protocol_chat import ChatCompletionRequest, ChatLogProbs
 from llmserve.entrypoints.openai.protocol_responses import (
     LOGPROBS_INCLUDE,
@@ -100,8 +100,12 @@ class OpenAIServingResponses:
             body = {"type": kind, "sequence_number": next(sequence), **fields}
             return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
 
-        def dump(model: Any) -> dict[str, Any]:
-            return model.model_dump(mode="json", by_alias=True)
+        def open_message() -> list[str]:  # the message item and its text part, both empty
+            empty = _message(message_id, None, False, "in_progress")
+            return [
+                event("response.output_item.added", output_index=0, item=dump(empty)),
+                event("response.content_part.added", **where, part=dump(OutputText(text=""))),
+            ]
 
         model = self.chat.model_name
         started = _response(request, model, response_id, [], None, False, status="in_progress")
@@ -126,10 +130,8 @@ class OpenAIServingResponses:
                         continue
                     if not opened:
                         opened = True
-                        yield event("response.output_item.added", output_index=0,
-                                    item=dump(_message(message_id, None, False, "in_progress")))  # fmt: skip
-                        yield event("response.content_part.added", **where,
-                                    part=dump(OutputText(text="")))  # fmt: skip
+                        for opening in open_message():
+                            yield opening
                     new = _logprobs(choice.logprobs, request) or []
                     text += choice.delta.content
                     logprobs += new
@@ -147,11 +149,8 @@ class OpenAIServingResponses:
         if opened or not calls:  # a reply always has its message, if only an empty one
             part = OutputText(text=text, logprobs=logprobs if _wants_logprobs(request) else None)
             message = _message(message_id, part, incomplete)
-            if not opened:
-                yield event("response.output_item.added", output_index=0,
-                            item=dump(_message(message_id, None, False, "in_progress")))  # fmt: skip
-                yield event("response.content_part.added", **where,
-                            part=dump(OutputText(text="")))  # fmt: skip
+            for opening in [] if opened else open_message():
+                yield opening
             yield event("response.output_text.done", **where, text=text,
                         logprobs=[dump(p) for p in part.logprobs or []])  # fmt: skip
             yield event("response.content_part.done", **where, part=dump(part))
