@@ -43,4 +43,4 @@ def test_schema_and_server_agree(tmp_path):
     finally:
         server.close()
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
-    assert "12/12" in proc.stdout  # every operation was tested (/ping: GET and POST)
+    assert "14/14" in proc.stdout  # every operation was tested (/ping: GET and POST)

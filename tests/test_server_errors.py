@@ -172,6 +172,11 @@ def test_messages_say_what_is_allowed(server):
         post(server, _CHAT, {"messages": [{"role": "user", "content": [image]}]}), 400, "messages"
     )
     assert error["message"] == "messages.0.content.0.type: Input should be 'text'"  # not "a string"
+    body = {"input": "hi", "previous_response_id": "resp_1"}  # no --enable-responses-store
+    error = assert_error(post(server, "/v1/responses", body), 400, "previous_response_id")
+    assert "--enable-responses-store" in error["message"]
+    stored = httpx.get(server.url + "/v1/responses/resp_1", headers=AUTH, timeout=TIMEOUT)
+    assert stored.status_code == 404 and "--enable-responses-store" in stored.text
     unset = {"best_of": 1, "suffix": "", "prompt_logprobs": None}  # the defaults still pass
     ok = post(server, _COMPLETION, {"prompt": "hi", "max_tokens": 2, **unset})
     assert ok.status_code == 200 and len(ok.json()["choices"]) == 1

@@ -1,8 +1,10 @@
 """POST /v1/responses (OpenAI's Responses API) on the real server, through the ``openai``
 client: the same greedy text as chat completions on the same conversation, the typed stream
 events in order and adding up to the response, function calls and their outputs sent back,
-text.format, logprobs, and clear 400s for what is not served (stored responses, background,
-non-text parts, built-in tools)."""
+text.format, logprobs; with --enable-responses-store, previous_response_id continuing a
+stored conversation exactly as sending it whole, and GET / DELETE of stored replies; clear
+400s for what is not served (background, non-text parts, built-in tools). A server without
+the store refuses previous_response_id (tests/test_server_errors.py)."""
 
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ WEATHER = "What is the weather in Paris?"
 
 @pytest.fixture(scope="module")
 def server():
-    server = ServerProcess(*SMALL_SERVER_ARGS)
+    server = ServerProcess(*SMALL_SERVER_ARGS, "--enable-responses-store")
     yield server
     server.close()
 
@@ -174,7 +176,7 @@ def test_logprobs_when_included(client, model):
 @pytest.mark.parametrize(
     "body, param, words",
     [
-        ({"previous_response_id": "resp_1"}, "previous_response_id", "stores no responses"),
+        ({"previous_response_id": "resp_1"}, "previous_response_id", "no stored response"),
         ({"background": True}, "background", "not supported"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
          "input", "'input_text' or 'output_text'"),
@@ -187,9 +189,64 @@ def test_logprobs_when_included(client, model):
         ({"include": ["output_text.annotations"]}, "include", "message.output_text.logprobs"),
     ],
 )  # fmt: skip
-def test_what_is_not_served_is_a_clear_400(server, model, body, param, words):
-    response = httpx.post(server.url + "/v1/responses", timeout=60,
-                          json={"model": model, "input": "hi", "max_output_tokens": 2, **body})  # fmt: skip
-    assert response.status_code == 400, response.text
+def test_what_is_not_served_is_a_clear_4xx(server, model, body, param, words):
+    body = {"model": model, "input": "hi", "max_output_tokens": 2, **body}
+    response = httpx.post(server.url + "/v1/responses", json=body, timeout=60)
+    assert response.status_code == (404 if "previous_response_id" in body else 400), response.text
     error = response.json()["error"]
     assert error["param"] == param and words in error["message"], error
+
+
+def test_previous_response_id_continues_as_the_whole_conversation(client, model):
+    first = respond(client, model, input="My name is Ada.", max_output_tokens=8)
+    second = respond(client, model, previous_response_id=first.id, input="What is my name?",
+                     max_output_tokens=8)  # fmt: skip
+    whole = respond(
+        client,
+        model,
+        input=[{"role": "user", "content": "My name is Ada."},
+               {"role": "assistant", "content": first.output_text},
+               {"role": "user", "content": "What is my name?"}],
+        max_output_tokens=8,
+    )  # fmt: skip
+    assert second.output_text == whole.output_text
+    assert second.previous_response_id == first.id and second.store
+    assert second.usage.input_tokens == whole.usage.input_tokens
+
+
+def test_a_function_call_continued_by_its_output(client, model):
+    choice = {"type": "function", "name": "get_weather"}
+    asked = respond(client, model, input=WEATHER, tools=TOOLS, tool_choice=choice,
+                    max_output_tokens=60)  # fmt: skip
+    (call,) = asked.output
+    output = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}
+    chained = respond(client, model, previous_response_id=asked.id, input=[output], tools=TOOLS,
+                      max_output_tokens=12)  # fmt: skip
+    whole = respond(
+        client,
+        model,
+        input=[{"role": "user", "content": WEATHER},
+               {"type": "function_call", "call_id": call.call_id, "name": call.name,
+                "arguments": call.arguments},
+               output],
+        tools=TOOLS,
+        max_output_tokens=12,
+    )  # fmt: skip
+    assert chained.output_text == whole.output_text
+
+
+def test_stored_responses_are_retrieved_and_deleted(client, model, server):
+    kept = respond(client, model, input="Hello", max_output_tokens=4)
+    assert client.responses.retrieve(kept.id).to_dict() == kept.to_dict()
+    events = list(respond(client, model, input="Hello", max_output_tokens=4, stream=True))
+    streamed = events[-1].response
+    assert client.responses.retrieve(streamed.id).output_text == streamed.output_text
+    assert streamed.output_text == kept.output_text
+    unkept = respond(client, model, input="Hello", max_output_tokens=4, store=False)
+    assert not unkept.store
+    deleted = httpx.delete(f"{server.url}/v1/responses/{kept.id}", timeout=30)
+    assert deleted.json() == {"id": kept.id, "object": "response.deleted", "deleted": True}
+    for gone in (kept.id, unkept.id):
+        missing = httpx.get(f"{server.url}/v1/responses/{gone}", timeout=30)
+        assert missing.status_code == 404
+        assert missing.json()["error"]["code"] == "response_not_found"

@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP server: routes, API-key check, client-disconnect aborts.
 
     POST /v1/completions  POST /v1/chat/completions  POST /v1/responses  GET /v1/models
-    GET /v1/models/{name}  POST /tokenize  POST /detokenize  GET /health (and /ping)
-    GET /version  GET /metrics  /openapi.json
+    GET, DELETE /v1/responses/{id}  GET /v1/models/{name}  POST /tokenize  POST /detokenize
+    GET /health (and /ping)  GET /version  GET /metrics  /openapi.json
 
 ``llmserve serve [MODEL] --host --port --api-key ...`` starts it (see ``launcher.py``).
 """
@@ -44,7 +44,11 @@ from llmserve.entrypoints.openai.protocol import (
     dump,
 )
 from llmserve.entrypoints.openai.protocol_chat import ChatCompletionRequest, ChatCompletionResponse
-from llmserve.entrypoints.openai.protocol_responses import ResponseObject, ResponsesRequest
+from llmserve.entrypoints.openai.protocol_responses import (
+    ResponseDeleted,
+    ResponseObject,
+    ResponsesRequest,
+)
 from llmserve.entrypoints.openai.serving_base import EventStream, ServingBase, ServingOptions
 from llmserve.entrypoints.openai.serving_chat import OpenAIServingChat, check_continuation
 from llmserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -112,7 +116,7 @@ def build_app(
     hidden = {} if docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="llmserve", version=llmserve.__version__, lifespan=lifespan, **hidden)
     app.state.llmserve = state
-    app.openapi = lambda: openapi_schema(app, engine.engine)
+    app.openapi = lambda: openapi_schema(app, engine.engine, chat.options.store_responses)
     app.include_router(router)
     install_error_handlers(app)
     if api_key:
@@ -124,9 +128,10 @@ def build_app(
     return app
 
 
-def openapi_schema(app: FastAPI, engine: Any) -> dict[str, Any]:
+def openapi_schema(app: FastAPI, engine: Any, store_responses: bool = False) -> dict[str, Any]:
     """FastAPI's schema, plus this server's own bound: token ids (fields marked x-token-id, and
-    logit_bias keys marked x-token-id-key) end at the vocabulary."""
+    logit_bias keys marked x-token-id-key) end at the vocabulary; previous_response_id (marked
+    x-stored-responses) takes no value unless the server stores responses."""
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
         last_token = engine.hf_config.vocab_size - 1
@@ -138,6 +143,9 @@ def openapi_schema(app: FastAPI, engine: Any) -> dict[str, Any]:
                     node["maximum"] = last_token
                 if node.pop("x-token-id-key", False):
                     node["pattern"] = key_pattern
+                if node.pop("x-stored-responses", False) and not store_responses:
+                    node.clear()
+                    node["not"] = {}
                 for value in node.values():
                     fill(value)
             elif isinstance(node, list):
@@ -235,6 +243,18 @@ async def create_response(request: ResponsesRequest, raw: Request) -> Response:
     """Answer ``input`` as OpenAI's Responses API (``stream`` for its typed events)."""
     serving = _state(raw).responses
     return _respond(serving, await _until_disconnect(raw, serving.create(request)))
+
+
+@router.get("/v1/responses/{response_id}", response_model=ResponseObject, responses=_ERRORS)
+async def retrieve_response(response_id: str, raw: Request) -> ResponseObject:
+    """A stored response (``--enable-responses-store``)."""
+    return _state(raw).responses.retrieve(response_id)
+
+
+@router.delete("/v1/responses/{response_id}", response_model=ResponseDeleted, responses=_ERRORS)
+async def delete_response(response_id: str, raw: Request) -> ResponseDeleted:
+    """Forget a stored response."""
+    return _state(raw).responses.delete(response_id)
 
 
 def _respond(serving: ServingBase | OpenAIServingResponses, result: Any) -> Response:

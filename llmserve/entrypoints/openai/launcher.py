@@ -71,6 +71,13 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         "otherwise (return_tokens_as_token_ids), as vLLM's flag",
     )
     server.add_argument(
+        "--enable-responses-store",
+        action="store_true",
+        help="keep the newest 1024 replies of /v1/responses in memory for previous_response_id "
+        "and GET /v1/responses/{id} (vLLM: VLLM_ENABLE_RESPONSES_API_STORE=1); default: "
+        "nothing is stored, as vLLM's default",
+    )
+    server.add_argument(
         "--chat-template",
         default=None,
         help="the chat template for chat requests instead of the model's own: a Jinja file, "
@@ -178,6 +185,7 @@ def run_server(args: argparse.Namespace) -> int:
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         log_requests=args.enable_log_requests,
         max_log_len=args.max_log_len,
+        store_responses=args.enable_responses_store,
     )
     app = build_app(
         async_engine,

@@ -1,9 +1,9 @@
 """Request and response bodies of OpenAI's Responses API (``/v1/responses``), as vLLM serves
 it: ``input`` (text, or messages, function calls and their outputs) and ``instructions`` go
 through the chat template; the reply is a list of output items (a message of output_text,
-function calls). Nothing is stored (``store`` is accepted and ignored, as vLLM does by
-default), so ``previous_response_id`` and ``background`` are refused: send the whole
-conversation in ``input``. Text only: image, file and audio parts are refused."""
+function calls). Replies are kept for ``previous_response_id`` only where the server was
+started with --enable-responses-store (vLLM keeps none by default either); ``background`` is
+refused. Text only: image, file and audio parts are refused."""
 
 from __future__ import annotations
 
@@ -100,22 +100,15 @@ class TextConfig(OpenAIModel):
     format: TextFormat | None = None
 
 
-def _refuse_previous_response(value: str) -> str:
-    raise ValueError(
-        "previous_response_id is not supported: this server stores no responses (store is "
-        "ignored, as vLLM's default); send the earlier turns in input"
-    )
-
-
 def _refuse_background(value: bool) -> bool:
     if value:
         raise ValueError("background is not supported: leave it out or false, or stream instead")
     return value
 
 
-NoPreviousResponse = Annotated[
-    str, Field(json_schema_extra={"not": {}}), AfterValidator(_refuse_previous_response)
-]
+# previous_response_id: a stored response's id. Only a server started with
+# --enable-responses-store takes one; the OpenAPI document of any other says so (api_server)
+PreviousResponseId = Annotated[str, Field(json_schema_extra={"x-stored-responses": True})]
 NoBackground = Annotated[
     bool, Field(json_schema_extra={"const": False}), AfterValidator(_refuse_background)
 ]
@@ -193,12 +186,12 @@ class ResponsesRequest(OpenAIModel):
     parallel_tool_calls: bool = True
     text: TextConfig | None = None
     stream: bool = False
-    store: bool = True  # accepted; nothing is stored
+    store: bool = True  # kept for previous_response_id (where the server stores replies)
     metadata: dict[str, str] | None = None
     user: str | None = None
     truncation: Literal["disabled"] = "disabled"
     reasoning: dict[str, Any] | None = None  # accepted; this model does not reason apart
-    previous_response_id: NoPreviousResponse | None = None
+    previous_response_id: PreviousResponseId | None = None  # its conversation goes first
     background: NoBackground = False
     # vLLM's extras, as in chat completions
     seed: Int(ge=-(2**63), lt=2**63) | None = None
@@ -292,6 +285,13 @@ class ResponseObject(OpenAIModel):
     tools: list[FunctionTool] = Field(default_factory=list)
     text: TextConfig | None = None
     truncation: str = "disabled"
-    store: bool = False
+    previous_response_id: str | None = None
+    store: bool = False  # whether this server keeps it (--enable-responses-store)
     user: str | None = None
     usage: ResponseUsage | None = None
+
+
+class ResponseDeleted(OpenAIModel):
+    id: str
+    object: Literal["response.deleted"] = "response.deleted"
+    deleted: bool = True

@@ -51,6 +51,7 @@ class ServingOptions:
     return_tokens_as_token_ids: bool = False  # --return-tokens-as-token-ids
     log_requests: bool = False  # --enable-log-requests
     max_log_len: int | None = None  # --max-log-len: most prompt characters or ids logged
+    store_responses: bool = False  # --enable-responses-store: /v1/responses keeps its replies
 
 
 @dataclass
