@@ -111,24 +111,29 @@ def test_stream_events_in_order_add_up_to_the_response(client, model):
 
 
 def test_named_function_call_and_its_output_sent_back(client, model):
-    response = respond(client, model, input=WEATHER, tools=TOOLS, max_output_tokens=60,
-                       tool_choice={"type": "function", "name": "get_weather"})  # fmt: skip
-    (call,) = response.output
+    choice = {"type": "function", "name": "get_weather"}
+    asked = respond(client, model, input=WEATHER, tools=TOOLS, tool_choice=choice,
+                    max_output_tokens=60)  # fmt: skip
+    (call,) = asked.output
     assert call.type == "function_call" and call.name == "get_weather"
     assert call.call_id and call.id.startswith("fc_") and call.status == "completed"
     jsonschema.validate(json.loads(call.arguments), TOOLS[0]["parameters"])
-    follow_up = respond(
+    output = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21"}
+    whole = respond(
         client,
         model,
         input=[{"role": "user", "content": WEATHER},
                {"type": "function_call", "call_id": call.call_id, "name": call.name,
                 "arguments": call.arguments},
-               {"type": "function_call_output", "call_id": call.call_id,
-                "output": "sunny, 21 degrees"}],
+               output],
         tools=TOOLS,
-        max_output_tokens=16,
+        max_output_tokens=12,
     )  # fmt: skip
-    assert follow_up.output[0].type == "message" and follow_up.output_text
+    assert whole.output[0].type == "message" and whole.output_text
+    # the same turn on the stored conversation (--enable-responses-store)
+    chained = respond(client, model, previous_response_id=asked.id, input=[output], tools=TOOLS,
+                      max_output_tokens=12)  # fmt: skip
+    assert chained.output_text == whole.output_text
 
 
 def test_streamed_function_call(client, model):
@@ -212,27 +217,6 @@ def test_previous_response_id_continues_as_the_whole_conversation(client, model)
     assert second.output_text == whole.output_text
     assert second.previous_response_id == first.id and second.store
     assert second.usage.input_tokens == whole.usage.input_tokens
-
-
-def test_a_function_call_continued_by_its_output(client, model):
-    choice = {"type": "function", "name": "get_weather"}
-    asked = respond(client, model, input=WEATHER, tools=TOOLS, tool_choice=choice,
-                    max_output_tokens=60)  # fmt: skip
-    (call,) = asked.output
-    output = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}
-    chained = respond(client, model, previous_response_id=asked.id, input=[output], tools=TOOLS,
-                      max_output_tokens=12)  # fmt: skip
-    whole = respond(
-        client,
-        model,
-        input=[{"role": "user", "content": WEATHER},
-               {"type": "function_call", "call_id": call.call_id, "name": call.name,
-                "arguments": call.arguments},
-               output],
-        tools=TOOLS,
-        max_output_tokens=12,
-    )  # fmt: skip
-    assert chained.output_text == whole.output_text
 
 
 def test_stored_responses_are_retrieved_and_deleted(client, model, server):
