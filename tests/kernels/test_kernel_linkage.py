@@ -55,3 +55,13 @@ def test_formatted_error_messages_raise():
     packed = cpu_kernels.linear_bf16_pack(torch.randn(10, 48).bfloat16())
     with pytest.raises(RuntimeError, match=r"multiple of 32 \(got 48\)"):
         cpu_kernels.linear_bf16_amx(torch.randn(2, 48).bfloat16(), packed, 10, None, True)
+
+
+def test_a_first_build_is_told_apart_from_a_cached_one(tmp_path, monkeypatch):
+    """The log line of a first start says the library is being built (about a minute)."""
+    library = cpu_kernels.LIBRARY
+    if not library.available():
+        pytest.skip("the library did not build here")
+    assert library._built_before()  # the build available() just made or found
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # an empty cache
+    assert not library._built_before()

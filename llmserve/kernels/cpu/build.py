@@ -87,6 +87,17 @@ class NativeLibrary:
         ops = getattr(torch.ops, self.namespace)
         return all(hasattr(ops, op) for op in self.probe_ops)
 
+    def _built_before(self) -> bool:
+        """Whether torch's cache holds a build of this library (torch still rebuilds it when a
+        source or flag changed); True when that cannot be told."""
+        try:  # torch's own cache layout (a private helper: guarded)
+            from torch.utils.cpp_extension import _get_build_directory
+
+            folder = _get_build_directory(self.name, False)
+        except Exception:
+            return True
+        return os.path.exists(os.path.join(folder, self.name + ".so"))
+
     def _build(self) -> None:
         from torch.utils.cpp_extension import load
 
@@ -95,9 +106,14 @@ class NativeLibrary:
         if shutil.which("ninja") is None and shutil.which("ninja", path=bin_dir):
             os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
         digest = hashlib.sha256(b"".join(p.read_bytes() for p in self.headers)).hexdigest()
-        logger.info(
-            "loading the C++ library %s (built on first use, then cached by torch)", self.name
-        )
+        if self._built_before():
+            logger.info("loading the C++ library %s (cached by torch)", self.name)
+        else:  # the first start on a machine waits for this: say why
+            logger.info(
+                "building the C++ library %s on its first use here (about a minute on 2 "
+                "cores; cached by torch after)",
+                self.name,
+            )
         self._module = load(
             name=self.name,
             sources=[str(p) for p in self.sources],
