@@ -83,9 +83,10 @@ def to_chat_request(request: ResponsesRequest, items: list[Any]) -> ChatCompleti
             for tool in request.tools
         ]
     choice = request.tool_choice
-    if choice is not None:
-        named = {"type": "function", "function": {"name": getattr(choice, "name", None)}}
-        body["tool_choice"] = choice if isinstance(choice, str) else named
+    if isinstance(choice, str):
+        body["tool_choice"] = choice
+    elif choice is not None:  # a named function
+        body["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
     fmt = request.text.format if request.text is not None else None
     if fmt is not None and fmt.type == "json_schema":
         if fmt.schema_ is None:
