@@ -19,7 +19,6 @@ from typing import Any, TypeVar
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.routing import get_route_path
@@ -30,6 +29,7 @@ from llmserve.engine.async_engine import AsyncLLMEngine
 from llmserve.engine.request_stream import RequestStream
 from llmserve.entrypoints.openai.errors import OpenAIError, error_response, install_error_handlers
 from llmserve.entrypoints.openai.metrics import ServerMetrics
+from llmserve.entrypoints.openai.openapi_document import openapi_schema
 from llmserve.entrypoints.openai.protocol import (
     CompletionRequest,
     CompletionResponse,
@@ -126,47 +126,6 @@ def build_app(
             CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"], allow_headers=["*"]
         )
     return app
-
-
-def openapi_schema(app: FastAPI, engine: Any, store_responses: bool = False) -> dict[str, Any]:
-    """FastAPI's schema, plus this server's own bound: token ids (fields marked x-token-id, and
-    logit_bias keys marked x-token-id-key) end at the vocabulary; previous_response_id (marked
-    x-stored-responses) takes no value unless the server stores responses."""
-    if app.openapi_schema is None:
-        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-        last_token = engine.hf_config.vocab_size - 1
-        key_pattern = "^" + int_range_pattern(last_token) + "$"
-
-        def fill(node: Any) -> None:
-            if isinstance(node, dict):
-                if node.pop("x-token-id", False):
-                    node["maximum"] = last_token
-                if node.pop("x-token-id-key", False):
-                    node["pattern"] = key_pattern
-                if node.pop("x-stored-responses", False) and not store_responses:
-                    node.clear()
-                    node["not"] = {}
-                for value in node.values():
-                    fill(value)
-            elif isinstance(node, list):
-                for value in node:
-                    fill(value)
-
-        fill(schema)
-        app.openapi_schema = schema
-    return app.openapi_schema
-
-
-def int_range_pattern(high: int) -> str:
-    """A regex matching the decimal integers 0..high (high >= 0), no leading zeros."""
-    digits = str(high)
-    options = ["0"] + ["[1-9]" + "[0-9]" * (width - 1) for width in range(1, len(digits))]
-    for i, d in enumerate(digits):  # as long as high: its prefix, then a smaller digit
-        low = 1 if i == 0 else 0
-        if int(d) > low:
-            options.append(digits[:i] + f"[{low}-{int(d) - 1}]" + "[0-9]" * (len(digits) - i - 1))
-    options.append(digits)
-    return "(" + "|".join(dict.fromkeys(options)) + ")"
 
 
 class ApiKeyMiddleware:

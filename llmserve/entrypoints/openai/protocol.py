@@ -54,7 +54,7 @@ def Int(**bounds: Any) -> Any:  # noqa: N802 - a type
 
 
 # A token id: an integer (true/false/1.0 refused) >= 0; the OpenAPI schema of a running server
-# also states the vocabulary's end (api_server.openapi_schema fills in "maximum").
+# also states the vocabulary's end (openapi_document.openapi_schema fills in "maximum").
 TokenId = Int(ge=0, json_schema_extra={"x-token-id": True})
 # A token budget (generation also stops at the end of the context, so no upper bound).
 MaxTokens = Int(ge=1)

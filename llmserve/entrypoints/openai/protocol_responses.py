@@ -107,7 +107,7 @@ def _refuse_background(value: bool) -> bool:
 
 
 # previous_response_id: a stored response's id. Only a server started with
-# --enable-responses-store takes one; the OpenAPI document of any other says so (api_server)
+# --enable-responses-store takes one; the OpenAPI document of any other says so (openapi_document.py)
 PreviousResponseId = Annotated[str, Field(json_schema_extra={"x-stored-responses": True})]
 NoBackground = Annotated[
     bool, Field(json_schema_extra={"const": False}), AfterValidator(_refuse_background)
