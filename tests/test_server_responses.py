@@ -234,3 +234,19 @@ def test_stored_responses_are_retrieved_and_deleted(client, model, server):
         missing = httpx.get(f"{server.url}/v1/responses/{gone}", timeout=30)
         assert missing.status_code == 404
         assert missing.json()["error"]["code"] == "response_not_found"
+
+
+def test_the_store_keeps_the_newest_replies():
+    """--enable-responses-store keeps STORE_CAPACITY replies: the oldest go first."""
+    from llmserve.entrypoints.openai.protocol_responses import ResponseObject
+    from llmserve.entrypoints.openai.serving_responses import STORE_CAPACITY, ResponseStore
+
+    assert STORE_CAPACITY == 1024  # the number docs/serving.md and the flag's help give
+    store = ResponseStore(capacity=2)
+    replies = [ResponseObject(id=f"resp_{i}", status="completed", model="m", output=[])
+               for i in range(3)]  # fmt: skip
+    for i, reply in enumerate(replies):
+        store.put(reply, [i])
+    assert store.get("resp_0") is None
+    assert store.get("resp_2") == (replies[2], [2]) and store.get("resp_1")[1] == [1]
+    assert store.delete("resp_1") and not store.delete("resp_1")

@@ -132,6 +132,12 @@ def _type_mismatch(error: dict[str, Any]) -> bool:
     return kind.endswith("_type") or kind in ("none_required", "model_attributes_type")
 
 
+def validation_error(errors: list[dict[str, Any]]) -> OpenAIError:
+    """The 400 for a body pydantic refused (``errors()`` of its ValidationError)."""
+    message, param = _validation_message(errors)
+    return OpenAIError(message, 400, param)
+
+
 def _validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     first = _most_specific(errors)
     loc = _field_path(first)
@@ -154,8 +160,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(list(e.errors()))
-        return error_response(400, message, param)
+        error = validation_error(list(e.errors()))
+        return error_response(error.status, error.message, error.param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:

@@ -9,7 +9,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from llmserve.entrypoints.openai.errors import OpenAIError
+from llmserve.entrypoints.openai.errors import OpenAIError, validation_error
 from llmserve.entrypoints.openai.protocol import ToolCall, UsageInfo
 from llmserve.entrypoints.openai.protocol_chat import ChatCompletionRequest, ChatLogProbs
 from llmserve.entrypoints.openai.protocol_responses import (
@@ -98,11 +98,11 @@ def to_chat_request(request: ResponsesRequest, items: list[Any]) -> ChatCompleti
     try:
         return ChatCompletionRequest.model_validate(body)
     except ValidationError as e:  # what the Responses model lets through and chat does not
-        raise OpenAIError(f"input: {e.errors()[0]['msg']}", param="input") from e
+        raise renamed(validation_error(list(e.errors()))) from e
 
 
 def item_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"  # msg_..., fc_...: OpenAI's form of item ids
+    return f"{prefix}_{uuid.uuid4().hex}"  # resp_..., msg_..., fc_...: OpenAI's form of ids
 
 
 def wants_logprobs(request: ResponsesRequest) -> bool:

@@ -54,9 +54,10 @@ class OpenAIServingChat(ServingBase):
         return self.response(request, request_id, how, out)
 
     async def queue(
-        self, request: ChatCompletionRequest, id_prefix: str = "chatcmpl"
+        self, request: ChatCompletionRequest, request_id: str | None = None
     ) -> tuple[str, RequestStream, str]:
-        """Template the conversation and queue it: (request id, its stream, the tool mode)."""
+        """Template the conversation and queue it under ``request_id`` (default: a new
+        chatcmpl-... id): (the id, its stream, the tool mode)."""
         self.check_model(request.model)
         how = tool_calls.mode(request)
         tool_calls.check_tools(request)
@@ -70,7 +71,7 @@ class OpenAIServingChat(ServingBase):
         )
         schema = tool_calls.call_schema(request, how)
         params = chat_params(request, self.vocab_size, schema, self.sampling_defaults)
-        request_id = random_id(id_prefix)
+        request_id = request_id or random_id("chatcmpl")
         prompt = {"prompt_token_ids": prompt_ids}
         (stream,) = await self.add_all(
             request_id, [prompt], params, request.priority, request.cache_salt

@@ -71,8 +71,7 @@ class OpenAIServingResponses:
 
     def delete(self, response_id: str) -> ResponseDeleted:
         """DELETE /v1/responses/{id}: forget a stored reply (404 when there is none)."""
-        self._stored(response_id, "response_id")
-        assert self.store is not None
+        self._stored(response_id, "response_id")  # a 404 unless kept
         self.store.delete(response_id)
         return ResponseDeleted(id=response_id)
 
@@ -118,15 +117,16 @@ class OpenAIServingResponses:
         conversation = self._conversation(request)
         chat_request = responses_chat.to_chat_request(request, conversation)
         try:
-            request_id, stream, how = await self.chat.queue(chat_request, id_prefix="resp")
+            response_id, stream, how = await self.chat.queue(
+                chat_request, responses_chat.item_id("resp")
+            )
         except OpenAIError as e:
             raise responses_chat.renamed(e) from e
-        response_id = request_id.replace("-", "_", 1)  # resp_<hex>, as OpenAI's ids read
         if request.stream:
             events = self._stream(request, chat_request, conversation, response_id, stream, how)
             return EventStream(events, [stream])
         (out,) = await self.chat.final_outputs([stream])
-        reply = self.chat.response(chat_request, request_id, how, out)
+        reply = self.chat.response(chat_request, response_id, how, out)
         choice = reply.choices[0]
         items: list[Any] = []
         incomplete = choice.finish_reason == "length"
