@@ -26,7 +26,6 @@ from llmserve.entrypoints.openai.protocol_responses import (
     ResponseObject,
     ResponsesRequest,
     ResponseUsage,
-    TopLogprob,
 )
 
 # the chat request's fields named as the Responses API names them, in errors
@@ -122,28 +121,11 @@ def renamed(e: OpenAIError) -> OpenAIError:
 def output_logprobs(
     logprobs: ChatLogProbs | None, request: ResponsesRequest
 ) -> list[Logprob] | None:
+    """The chat layer's token logprobs (token, logprob, bytes, top alternatives: the same
+    fields) as output_text's, where the request includes them."""
     if logprobs is None or not wants_logprobs(request):
         return None
-    return [
-        Logprob(
-            token=t.token,
-            bytes=t.bytes if t.bytes is not None else list(t.token.encode()),
-            logprob=t.logprob,
-            top_logprobs=[
-                TopLogprob(
-                    token=top.token,
-                    bytes=top.bytes if top.bytes is not None else list(top.token.encode()),
-                    logprob=top.logprob,
-                )
-                for top in t.top_logprobs
-            ],
-        )
-        for t in logprobs.content or []
-    ]
-
-
-def output_text(text: str, logprobs: ChatLogProbs | None, request: ResponsesRequest) -> OutputText:
-    return OutputText(text=text, logprobs=output_logprobs(logprobs, request))
+    return [Logprob.model_validate(token.model_dump()) for token in logprobs.content or []]
 
 
 def output_message(

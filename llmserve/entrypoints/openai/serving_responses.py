@@ -131,9 +131,8 @@ class OpenAIServingResponses:
         items: list[Any] = []
         incomplete = choice.finish_reason == "length"
         if choice.message.content is not None or not choice.message.tool_calls:
-            text = responses_chat.output_text(
-                choice.message.content or "", choice.logprobs, request
-            )
+            logprobs = responses_chat.output_logprobs(choice.logprobs, request)
+            text = OutputText(text=choice.message.content or "", logprobs=logprobs)
             items.append(
                 responses_chat.output_message(responses_chat.item_id("msg"), text, incomplete)
             )
