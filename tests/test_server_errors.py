@@ -177,6 +177,11 @@ def test_messages_say_what_is_allowed(server):
     assert "--enable-responses-store" in error["message"]
     stored = httpx.get(server.url + "/v1/responses/resp_1", headers=AUTH, timeout=TIMEOUT)
     assert stored.status_code == 404 and "--enable-responses-store" in stored.text
+    reply = post(server, "/v1/responses", {"input": "hi", "max_output_tokens": 2})
+    assert reply.status_code == 200 and reply.json()["store"] is False  # nothing kept
+    document = httpx.get(server.url + "/openapi.json", timeout=TIMEOUT).json()
+    field = document["components"]["schemas"]["ResponsesRequest"]["properties"]
+    assert {"not": {}} in field["previous_response_id"]["anyOf"]  # takes no value here
     unset = {"best_of": 1, "suffix": "", "prompt_logprobs": None}  # the defaults still pass
     ok = post(server, _COMPLETION, {"prompt": "hi", "max_tokens": 2, **unset})
     assert ok.status_code == 200 and len(ok.json()["choices"]) == 1

@@ -228,6 +228,9 @@ def test_stored_responses_are_retrieved_and_deleted(client, model, server):
     assert streamed.output_text == kept.output_text
     unkept = respond(client, model, input="Hello", max_output_tokens=4, store=False)
     assert not unkept.store
+    document = httpx.get(server.url + "/openapi.json", timeout=30).json()
+    field = document["components"]["schemas"]["ResponsesRequest"]["properties"]
+    assert {"type": "string"} in field["previous_response_id"]["anyOf"]  # a stored reply's id
     deleted = httpx.delete(f"{server.url}/v1/responses/{kept.id}", timeout=30)
     assert deleted.json() == {"id": kept.id, "object": "response.deleted", "deleted": True}
     for gone in (kept.id, unkept.id):
