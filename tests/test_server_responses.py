@@ -203,7 +203,13 @@ def test_what_is_not_served_is_a_clear_4xx(server, model, body, param, words):
 
 
 def test_previous_response_id_continues_as_the_whole_conversation(client, model):
-    first = respond(client, model, input="My name is Ada.", max_output_tokens=8)
+    first = respond(
+        client,
+        model,
+        instructions="Answer in French.",
+        input="My name is Ada.",
+        max_output_tokens=8,
+    )  # fmt: skip  (instructions are not carried over)
     second = respond(client, model, previous_response_id=first.id, input="What is my name?",
                      max_output_tokens=8)  # fmt: skip
     whole = respond(
