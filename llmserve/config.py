@@ -181,8 +181,31 @@ class ParallelConfig:
     )
 
 
-CONFIG_CLASSES = (ModelConfig, CacheConfig, SchedulerConfig, DeviceConfig, ParallelConfig)
-PARTS = ("model", "cache", "scheduler", "device", "parallel")  # EngineConfig fields
+@dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters served beside the base model (llmserve/lora/)."""
+
+    enable_lora: bool = _opt(
+        False, "Serve LoRA adapters: each request may name one (vLLM's --enable-lora)"
+    )
+    max_loras: int = _opt(1, "Most adapters in one step's batch")
+    max_lora_rank: int = _opt(16, "Highest adapter rank (r) accepted")
+    max_cpu_loras: int | None = _opt(
+        None,
+        "Adapters kept loaded (least recently used first out; those that queued or running "
+        "requests name stay); default: --max-loras",
+    )
+
+
+CONFIG_CLASSES = (
+    ModelConfig,
+    CacheConfig,
+    SchedulerConfig,
+    DeviceConfig,
+    ParallelConfig,
+    LoRAConfig,
+)
+PARTS = ("model", "cache", "scheduler", "device", "parallel", "lora")  # EngineConfig fields
 
 
 @dataclass(frozen=True)
@@ -194,6 +217,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     @property
     def speculative(self):
@@ -225,9 +249,10 @@ class EngineConfig:
                 value = getattr(klass_cfg, f.name)
                 if choices and value is not None and value not in choices:
                     raise ValueError(f"{f.name} must be one of {list(choices)}, got {value!r}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "stream_interval"):
-            owner = self.cache if name == "block_size" else self.scheduler
-            if getattr(owner, name) < 1:
+        positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "stream_interval")
+        for name in (*positive, "max_loras", "max_lora_rank", "max_cpu_loras"):
+            owner = next(getattr(self, p) for p in PARTS if hasattr(getattr(self, p), name))
+            if getattr(owner, name) is not None and getattr(owner, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(owner, name)}")
         if self.model.max_model_len is not None and self.model.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.model.max_model_len}")
@@ -247,3 +272,9 @@ class EngineConfig:
         from llmserve.distributed.plan import validate_parallel
 
         validate_parallel(self)  # sizes, backend; shape checks need the model (plan.py)
+        parallel = self.parallel.tensor_parallel_size * self.parallel.data_parallel_size
+        if self.lora.enable_lora and parallel > 1:
+            raise ValueError(
+                "LoRA adapters run on one engine: --enable-lora takes neither "
+                "--tensor-parallel-size nor --data-parallel-size above 1"
+            )

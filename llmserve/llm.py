@@ -9,6 +9,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from llmserve.engine.llm_engine import LLMEngine, PromptType
+from llmserve.lora.request import LoRARequest
 from llmserve.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from llmserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
@@ -33,14 +34,17 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: list[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text, token ids, or ``{"prompt_token_ids": [...]}``)."""
+        """Generate for every prompt (text, token ids, or ``{"prompt_token_ids": [...]}``);
+        ``lora_request``: the LoRA adapter of all prompts, or one (or None) per prompt."""
         prompts = self._as_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params = self._per_prompt(sampling_params, len(prompts))
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority has {len(priority)} entries for {len(prompts)} prompts")
+        loras = self._per_prompt_lora(lora_request, len(prompts))
         final_only: dict[int, SamplingParams] = {}  # each params once: prompts often share one
         request_ids = []
         for i, (prompt, p) in enumerate(zip(prompts, params)):
@@ -50,7 +54,9 @@ class LLM:
             p = final_only[id(p)]
             request_id = f"offline-{self._counter}"
             self._counter += 1
-            self.llm_engine.add_request(request_id, prompt, p, priority[i] if priority else 0)
+            self.llm_engine.add_request(
+                request_id, prompt, p, priority[i] if priority else 0, lora_request=loras[i]
+            )
             request_ids.append(request_id)
         return self._run(request_ids, use_tqdm)
 
@@ -59,10 +65,13 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         params: BeamSearchParams,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[BeamSearchOutput]:
         """Beam search for every prompt, inside the engine: a prompt's beams share its KV
         blocks and fork copy-on-write (engine/beam_search.py)."""
-        outputs = self.generate(prompts, params.to_sampling_params(), use_tqdm=use_tqdm)
+        outputs = self.generate(
+            prompts, params.to_sampling_params(), use_tqdm=use_tqdm, lora_request=lora_request
+        )
         results = []
         for out in outputs:
             sequences = [
@@ -88,6 +97,7 @@ class LLM:
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template (or ``chat_template``, a Jinja template) to each
         conversation, then generate. ``continue_final_message`` (with
@@ -129,7 +139,7 @@ class LLM:
             }
             for c in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
@@ -176,3 +186,12 @@ class LLM:
         if len(params) != num_prompts:
             raise ValueError(f"got {len(params)} SamplingParams for {num_prompts} prompts")
         return params
+
+    @staticmethod
+    def _per_prompt_lora(lora, num_prompts: int) -> list[LoRARequest | None]:
+        if lora is None or isinstance(lora, LoRARequest):
+            return [lora] * num_prompts
+        lora = list(lora)
+        if len(lora) != num_prompts:
+            raise ValueError(f"got {len(lora)} LoRA requests for {num_prompts} prompts")
+        return lora

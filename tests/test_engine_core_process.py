@@ -3,9 +3,9 @@
 The output deltas round-trip (growing outputs, a stop string's cut, beams that reorder,
 logprobs, prompt logprobs); then a real server on the default model: the same greedy text,
 logprobs and beams as the offline ``LLM``, concurrent streams batched, a bad request answered
-400 while the engine goes on, a client disconnect aborted (counted in /metrics), SIGTERM
-ending a stream with "abort" and exit 0, and a killed core turning /health to 503 with the
-request in flight ended by an error instead of a hang.
+400 while the engine goes on, a cache_salt kept on its way to the core, a client disconnect
+aborted (counted in /metrics), SIGTERM ending a stream with "abort" and exit 0, and a killed
+core turning /health to 503 with the request in flight ended by an error instead of a hang.
 """
 
 from __future__ import annotations
@@ -168,6 +168,21 @@ def test_a_bad_request_is_400_and_the_engine_goes_on(server):
     reply = httpx.post(server.url + "/v1/completions", json=body, timeout=TIMEOUT)
     assert reply.status_code == 400 and "1024" in reply.json()["error"]["message"]
     assert complete(server)["choices"][0]["finish_reason"] == "length"
+
+
+def test_cache_salt_travels_to_the_core(server):
+    """The salt goes to the core's engine with the prompt: a salted prompt's blocks serve its
+    salt only (the client once sent the token ids alone, and every salt shared the blocks)."""
+    prompt = " ".join(f"c{i}y{i * 7}" for i in range(20))  # seen by no other test
+
+    def cached(**salt) -> int:
+        reply = complete(server, prompt=prompt, max_tokens=1, **salt)
+        return reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached(cache_salt="tenant-a") == 0
+    assert cached(cache_salt="tenant-a") > 0
+    assert cached(cache_salt="tenant-b") == 0
+    assert cached() == 0
 
 
 def test_a_client_disconnect_is_aborted_and_counted(server):

@@ -123,6 +123,12 @@ def add_throughput_parser(subparsers) -> None:
         default=True,
         help="also run transformers' continuous batching when it exists (default: on)",
     )
+    g.add_argument(
+        "--lora-path",
+        default=None,
+        help="every request with this PEFT LoRA adapter (as --max-loras adapters of ids 1..N, "
+        "round robin, as vLLM's benchmark); llmserve only, turns on --enable-lora",
+    )
     add_engine_args(p)
     p.set_defaults(func=run_throughput_command)
 

@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 from llmserve.benchmarks.metrics import RequestRecord
 from llmserve.benchmarks.workloads import BenchRequest
 from llmserve.engine.llm_engine import LLMEngine
+from llmserve.lora.request import LoRARequest
 from llmserve.sampling_params import SamplingParams
 
 
@@ -124,9 +125,11 @@ class _Driver:
         requests: Sequence[BenchRequest],
         offsets: list[float],
         temperature: float,
+        loras: Sequence[LoRARequest | None] | None = None,
     ):
         self.engine, self.requests, self.offsets = engine, requests, offsets
         self.temperature = temperature
+        self.loras = loras or [None] * len(requests)
         self.records = [RequestRecord(r.prompt_len) for r in requests]
         self.last_token = [0.0] * len(requests)
         self.index: dict[str, int] = {}  # request id -> position in requests
@@ -150,7 +153,11 @@ class _Driver:
             params = bench_params(self.requests[i], self.temperature, i)
             prompt = {"prompt_token_ids": self.requests[i].prompt_token_ids}
             self.engine.add_request(
-                request_id, prompt, params, arrival_time=self.start + self.offsets[i]
+                request_id,
+                prompt,
+                params,
+                arrival_time=self.start + self.offsets[i],
+                lora_request=self.loras[i],
             )
         if not self.engine.has_unfinished_requests() and self.num_added < len(self.requests):
             time.sleep(max(0.0, self.offsets[self.num_added] - now))
@@ -189,15 +196,17 @@ def drive(
     temperature: float = 0.0,
     desc: str = "llmserve",
     use_tqdm: bool = True,
+    loras: Sequence[LoRARequest | None] | None = None,
 ) -> tuple[list[RequestRecord], float, dict]:
-    """Run ``requests`` (request i added ``offsets[i]`` s after start; default: all at once).
+    """Run ``requests`` (request i added ``offsets[i]`` s after start; default: all at once;
+    with the LoRA adapter ``loras[i]``, where given).
 
     Returns the per-request records, the seconds from start to the last finish, and the batch /
     KV statistics of the run.
     """
     offsets = list(offsets) if offsets is not None else [0.0] * len(requests)
     before = engine_counters(engine)
-    driver = _Driver(engine, requests, offsets, temperature)
+    driver = _Driver(engine, requests, offsets, temperature, loras)
     bar = tqdm(total=len(requests), desc=desc, unit="req", disable=not use_tqdm)
     try:
         with engine.compute_threads_bound():  # as LLM.generate and the server step

@@ -18,6 +18,7 @@ from llmserve.benchmarks.engine_run import build_engine, drive, release_memory, 
 from llmserve.benchmarks.metrics import summarize_ms, throughput_result
 from llmserve.benchmarks.report import format_table, machine_info, write_json
 from llmserve.benchmarks.workloads import BenchRequest
+from llmserve.lora.request import LoRARequest
 
 BACKENDS = ("llmserve", "transformers", "llama-cpp", "all")
 HEADLINE_KEYS = ("request_throughput", "output_throughput", "total_token_throughput")
@@ -35,9 +36,12 @@ def run_llmserve(
     requests: Sequence[BenchRequest],
     temperature: float,
     use_tqdm: bool = True,
+    loras: Sequence[LoRARequest | None] | None = None,
 ) -> dict:
-    """All requests at once through an already built engine."""
-    records, elapsed, stats = drive(engine, requests, temperature=temperature, use_tqdm=use_tqdm)
+    """All requests at once through an already built engine (request i with ``loras[i]``)."""
+    records, elapsed, stats = drive(
+        engine, requests, temperature=temperature, use_tqdm=use_tqdm, loras=loras
+    )
     result = throughput_result("llmserve", requests, elapsed, sum(r.output_len for r in records))
     result |= stats | summarize_ms("ttft", [r.ttft for r in records if r.ttft is not None])
     return result | {"load_s": load_s, "kv_cache": engine.kv_info}
@@ -86,6 +90,11 @@ def run_throughput(args: argparse.Namespace, engine_kwargs: dict[str, Any], make
     from llmserve.tokenizer import get_tokenizer
 
     backends = expand_backends(args.backend)
+    lora_path = getattr(args, "lora_path", None)
+    if lora_path is not None:
+        if backends != ["llmserve"]:
+            raise ValueError("--lora-path runs on the llmserve backend only")
+        engine_kwargs = engine_kwargs | {"enable_lora": True}
     engine = None
     if "llmserve" in backends:
         engine, load_s = build_engine(engine_kwargs)
@@ -94,11 +103,20 @@ def run_throughput(args: argparse.Namespace, engine_kwargs: dict[str, Any], make
         tokenizer = get_tokenizer(args.model)
     requests = make_requests(tokenizer)
     print(describe_requests(requests))
+    loras = None
+    if lora_path is not None:  # vLLM's benchmark: each request one of max_loras adapter ids
+        max_loras = engine_kwargs.get("max_loras") or 1
+        loras = [
+            LoRARequest(f"lora-{i % max_loras + 1}", i % max_loras + 1, lora_path)
+            for i in range(len(requests))
+        ]
     results, skipped = [], {}
     for backend in backends:
         if backend == "llmserve":
             results.append(
-                run_llmserve(engine, load_s, requests, args.temperature, not args.disable_tqdm)
+                run_llmserve(
+                    engine, load_s, requests, args.temperature, not args.disable_tqdm, loras
+                )
             )
             engine = None  # free its KV cache before a peer loads
             release_memory()
@@ -146,6 +164,7 @@ def build_report(
         "total_prompt_tokens": sum(r.prompt_len for r in requests),
         "total_output_tokens": sum(r.output_len for r in requests),
         "temperature": args.temperature,
+        "lora_path": getattr(args, "lora_path", None),
         "engine_args": engine_kwargs,
         "machine": machine_info(),
         "results": results,

@@ -172,9 +172,11 @@ class DataParallelEngine:
 
     # ---- requests -----------------------------------------------------------------------
     async def add_request(
-        self, request_id: str, prompt, params: SamplingParams, priority: int = 0
+        self, request_id: str, prompt, params: SamplingParams, priority: int = 0, lora_request=None
     ) -> RequestStream:
         """Route, then queue on that replica; raises what the replica's engine raises."""
+        if lora_request is not None:  # EngineConfig refuses --enable-lora with replicas
+            raise ValueError("LoRA adapters are not served by data-parallel replicas")
         if not self._is_accepting:
             raise EngineClosedError("the server is shutting down and takes no new requests")
         healthy = [r.index for r in self.replicas if r.is_healthy]
@@ -198,8 +200,10 @@ class DataParallelEngine:
         self._requests[request_id] = (replica, task)
         return stream
 
-    def generate(self, request_id: str, prompt, params: SamplingParams, priority: int = 0):
-        return stream_outputs(self, request_id, prompt, params, priority)
+    def generate(
+        self, request_id: str, prompt, params: SamplingParams, priority: int = 0, lora_request=None
+    ):
+        return stream_outputs(self, request_id, prompt, params, priority, lora_request)
 
     def abort(self, request_id: str) -> None:
         entry = self._requests.get(request_id)

@@ -33,6 +33,7 @@ from typing import Any
 
 from llmserve.engine.llm_engine import LLMEngine, PromptType
 from llmserve.engine.request_stream import RequestStream
+from llmserve.lora.request import LoRARequest
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import RequestOutputKind, SamplingParams
 from llmserve.spec_decode.stats import SpecDecodeStats
@@ -172,6 +173,7 @@ class AsyncLLMEngine:
         prompt: PromptType,
         params: SamplingParams,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Queue a request; raises ValueError (cannot fit), EngineOverloaded, EngineClosed."""
         check_streamable(params)
@@ -179,7 +181,7 @@ class AsyncLLMEngine:
         stream = RequestStream(request_id)
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
         arrival_time = time.monotonic()
-        self._submit_add(stream, prompt, params, priority, arrival_time, done)
+        self._submit_add(stream, prompt, params, priority, arrival_time, done, lora_request)
         try:
             await asyncio.wrap_future(done)
         except asyncio.CancelledError:
@@ -193,10 +195,11 @@ class AsyncLLMEngine:
         prompt: PromptType,
         params: SamplingParams,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's cumulative outputs; closing the generator early aborts the
         request (wrap it in ``contextlib.aclosing`` to close it on ``break``)."""
-        return stream_outputs(self, request_id, prompt, params, priority)
+        return stream_outputs(self, request_id, prompt, params, priority, lora_request)
 
     def abort(self, request_id: str) -> None:
         """Abort a request from any thread; its blocks are freed before the next step."""
@@ -249,6 +252,7 @@ class AsyncLLMEngine:
         priority: int,
         arrival_time: float,
         done: concurrent.futures.Future[None],
+        lora_request: LoRARequest | None = None,
     ) -> None:
         with self._lock:
             self._num_pending_adds -= 1
@@ -257,7 +261,9 @@ class AsyncLLMEngine:
         try:
             if not self._is_accepting:
                 raise EngineClosedError("the server is shutting down and takes no new requests")
-            self.engine.add_request(stream.request_id, prompt, params, priority, arrival_time)
+            self.engine.add_request(
+                stream.request_id, prompt, params, priority, arrival_time, lora_request
+            )
         except Exception as e:  # ValueError for the caller; anything else, too
             done.set_exception(e)
             return
@@ -337,11 +343,16 @@ class AsyncLLMEngine:
 
 
 async def stream_outputs(
-    engine: Any, request_id: str, prompt: PromptType, params: SamplingParams, priority: int
+    engine: Any,
+    request_id: str,
+    prompt: PromptType,
+    params: SamplingParams,
+    priority: int,
+    lora_request: LoRARequest | None = None,
 ) -> AsyncIterator[RequestOutput]:
     """``generate`` of every engine the server drives (this one, the engine-core client, the
     data-parallel router): add the request, yield its outputs, abort it if closed early."""
-    stream = await engine.add_request(request_id, prompt, params, priority)
+    stream = await engine.add_request(request_id, prompt, params, priority, lora_request)
     try:
         while not stream.is_finished:
             yield await stream.get()

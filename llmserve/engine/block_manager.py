@@ -45,10 +45,14 @@ def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
     return hash((parent_hash, token_ids))
 
 
-def salt_hash(cache_salt: str | None) -> int | None:
-    """The parent of a request's first block: None, or its ``cache_salt``'s own hash, so that
-    requests with different salts (tenants) never share cached blocks, even of one prompt."""
-    return None if cache_salt is None else hash(("cache_salt", cache_salt))
+def salt_hash(cache_salt: str | None, lora_int_id: int = 0) -> int | None:
+    """The parent of a request's first block: None, or the hash of its ``cache_salt`` and
+    LoRA adapter, so that requests with different salts (tenants) or adapters (whose KV of one
+    prompt differs) never share cached blocks, even of one prompt."""
+    if cache_salt is None and not lora_int_id:
+        return None
+    key = ("cache_salt", cache_salt) if not lora_int_id else ("lora", cache_salt, lora_int_id)
+    return hash(key)
 
 
 class BlockManager:
@@ -255,7 +259,7 @@ class BlockManager:
         """The chained hashes of ``seq``'s blocks from the first not yet in ``block_hashes``
         up to block ``end`` (exclusive)."""
         hashes: list[int] = []
-        parent = seq.block_hashes[-1] if seq.block_hashes else salt_hash(seq.request.cache_salt)
+        parent = seq.block_hashes[-1] if seq.block_hashes else _root_hash(seq.request)
         for i in range(len(seq.block_hashes), end):
             start = i * self.block_size
             parent = hash_block(parent, tuple(seq.token_ids[start : start + self.block_size]))
@@ -316,3 +320,8 @@ class BlockManager:
     def _drop_hash(self, block_id: int) -> None:
         block_hash = self.block_hash.pop(block_id)
         del self.cached_blocks[block_hash]
+
+
+def _root_hash(request) -> int | None:
+    lora = request.lora_request
+    return salt_hash(request.cache_salt, lora.lora_int_id if lora is not None else 0)

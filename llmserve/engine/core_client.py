@@ -33,8 +33,10 @@ from llmserve.engine.async_engine import (
 )
 from llmserve.engine.core_process import run_engine_core
 from llmserve.engine.frontend import EngineFrontend
+from llmserve.engine.llm_engine import prompt_cache_salt
 from llmserve.engine.output_deltas import OutputDecoder
 from llmserve.engine.request_stream import RequestStream
+from llmserve.lora.request import LoRARequest
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams
 
@@ -126,7 +128,12 @@ class EngineCoreClient:
 
     # ---- requests (event loop) ----------------------------------------------------------
     async def add_request(
-        self, request_id: str, prompt, params: SamplingParams, priority: int = 0
+        self,
+        request_id: str,
+        prompt,
+        params: SamplingParams,
+        priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Queue a request; raises ValueError (cannot fit), EngineOverloaded, EngineClosed."""
         check_streamable(params)
@@ -134,12 +141,15 @@ class EngineCoreClient:
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self.engine.prompt_token_ids(prompt)
-        prompt = {"prompt": text, "prompt_token_ids": token_ids}
+        salt = prompt_cache_salt(prompt)  # the core's engine checks it again
+        prompt = {"prompt": text, "prompt_token_ids": token_ids, "cache_salt": salt}
         stream = RequestStream(request_id)
         added = asyncio.get_running_loop().create_future()
         self._streams[request_id] = stream  # before the add: no output can miss it
         self._adding[request_id] = added
-        self._outbox.put(("add", request_id, prompt, params, priority, time.monotonic()))
+        self._outbox.put(
+            ("add", request_id, prompt, params, priority, time.monotonic(), lora_request)
+        )
         try:
             await added
         except asyncio.CancelledError:
@@ -153,10 +163,15 @@ class EngineCoreClient:
         return stream
 
     def generate(
-        self, request_id: str, prompt, params: SamplingParams, priority: int = 0
+        self,
+        request_id: str,
+        prompt,
+        params: SamplingParams,
+        priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """``AsyncLLMEngine.generate``: the request's cumulative outputs."""
-        return stream_outputs(self, request_id, prompt, params, priority)
+        return stream_outputs(self, request_id, prompt, params, priority, lora_request)
 
     def abort(self, request_id: str) -> None:
         """Abort a request; its final output still comes back (for the metrics)."""

@@ -102,13 +102,15 @@ class EngineCore(AsyncLLMEngine):
                 self._commands.put(self._set_stopped)
                 return
 
-    def _queue_add(self, request_id: str, prompt, params, priority: int, arrival: float) -> None:
+    def _queue_add(
+        self, request_id: str, prompt, params, priority: int, arrival: float, lora=None
+    ) -> None:
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
         done.add_done_callback(lambda f: self._send(("added", request_id, _error_of(f))))
         if params.use_beam_search:
             self._beams.add(request_id)
         stream = RequestStream(request_id)  # a key only: outputs go to the pipe
-        self._submit_add(stream, prompt, params, priority, arrival, done)
+        self._submit_add(stream, prompt, params, priority, arrival, done, lora)
 
     # ---- the loop's hand-offs, to the pipe instead of an event loop -------------------------
     def _abort(self, request_id: str, deliver: bool) -> None:

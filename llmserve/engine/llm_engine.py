@@ -21,6 +21,7 @@ from llmserve.engine.output_processor import make_request_output, output_due, pr
 from llmserve.engine.scheduler import Scheduler
 from llmserve.engine.scheduler_output import SchedulerOutput
 from llmserve.engine.sequence import FinishReason, Request, Sequence
+from llmserve.lora.request import LoRARequest
 from llmserve.outputs import Logprob, RequestOutput
 from llmserve.sampling_params import SamplingParams
 from llmserve.structured_output.grammar import GrammarCompiler
@@ -106,7 +107,9 @@ class LLMEngine:
             config.cache.enable_prefix_caching,
             num_swap_blocks=getattr(self.runner, "num_swap_blocks", 0),
         )
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.speculative)
+        self.scheduler = Scheduler(
+            config.scheduler, self.block_manager, self.speculative, config.lora.max_loras
+        )
         self._last_spec_log = time.monotonic()
         self.model_name = config.model.served_model_name or self.resolved.display_name
         self.stats = EngineStats()
@@ -136,6 +139,7 @@ class LLMEngine:
         params: SamplingParams | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> Request:
         """Validate and queue a request; raises ValueError when it can never run."""
         params = params or self.default_sampling_params()
@@ -156,7 +160,9 @@ class LLMEngine:
         request_id = request_id if request_id is not None else f"req-{next(self._request_counter)}"
         if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        request = Request(request_id, text, prompt_ids, params, priority, cache_salt)
+        if lora_request is not None:
+            self.add_lora(lora_request)
+        request = Request(request_id, text, prompt_ids, params, priority, cache_salt, lora_request)
         if arrival_time is not None:
             request.metrics.arrival_time = arrival_time
         request.seqs = [
@@ -172,6 +178,32 @@ class LLMEngine:
         self.scheduler.add(request)
         self.stats.num_prompt_tokens += len(prompt_ids)
         return request
+
+    # ---- LoRA adapters (llmserve/lora/) -----------------------------------------------------
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter (as a request naming it does); True if it was not loaded yet.
+        ValueError where LoRA is off or the adapter does not fit this model."""
+        if not self.config.lora.enable_lora:
+            raise ValueError(
+                f"LoRA adapter {lora_request.lora_name!r} asked for, but LoRA is off: start "
+                "the engine with enable_lora=True (--enable-lora)"
+            )
+        return self.runner.lora.add(lora_request, self._loras_in_use())
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unload an adapter; False if it was not loaded. ValueError while requests use it."""
+        if lora_int_id in self._loras_in_use():
+            raise ValueError(
+                f"LoRA adapter id {lora_int_id} is in use by queued or running requests"
+            )
+        return self.config.lora.enable_lora and self.runner.lora.remove(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        return set(self.runner.lora.loaded) if self.config.lora.enable_lora else set()
+
+    def _loras_in_use(self) -> set[int]:
+        requests = self.scheduler.requests.values()
+        return {r.lora_request.lora_int_id for r in requests if r.lora_request is not None}
 
     def _admit(self, prompt_ids: list[int], params: SamplingParams) -> SamplingParams:
         """Refuse what can never fit, with the numbers and the flag to change."""

@@ -10,7 +10,8 @@ Every step hands out at most ``max_num_batched_tokens`` tokens over at most
      a copy back, the CPU default) or dropped (recomputed later, the prefix cache
      permitting: ``--preemption-mode recompute``, and the CUDA default);
   2. then waiting sequences, while budget, sequence slots and blocks last; a prompt longer
-     than the remaining budget is chunked over several steps.
+     than the remaining budget is chunked over several steps. A sequence whose LoRA adapter
+     would make more than ``max_loras`` adapters in the step waits (those after it may go).
 
 Decodes and prefill chunks go into the same forward pass. With speculative decoding
 (``spec_decode/``) a decode carries K drafted tokens too, verified in that same pass; only the
@@ -45,8 +46,10 @@ class Scheduler:
         config: SchedulerConfig,
         block_manager: BlockManager,
         speculative: SpeculativeConfig | None = None,
+        max_loras: int = 1,
     ):
         self.config = config
+        self.max_loras = max_loras  # LoRA adapters in one step (llmserve/lora/)
         self.block_manager = block_manager
         self.speculative = speculative
         self.spec_stats = SpecDecodeStats()
@@ -248,7 +251,11 @@ class Scheduler:
         """Admit waiting sequences in queue order while budget, slots and blocks last."""
         num_seqs = self._num_running_seqs()
         num_admitted = 0
+        loras = {_lora_id(s) for s in self.running} - {0}
         for seq in [s for s in self.waiting if self.policy.is_admissible(s)]:
+            lora = _lora_id(seq)
+            if lora and lora not in loras and len(loras) >= self.max_loras:
+                continue
             if (
                 budget == 0
                 or num_seqs + 1 + seq.request.num_pending_forks > self.config.max_num_seqs
@@ -258,6 +265,7 @@ class Scheduler:
             if num_tokens == 0:
                 break
             out.scheduled.append(ScheduledSeq(seq, num_tokens, self._num_samples(seq, num_tokens)))
+            loras |= {lora} - {0}
             num_seqs += 1 + seq.request.num_pending_forks
             num_admitted += 1
             budget -= num_tokens
@@ -357,3 +365,9 @@ class Scheduler:
 
     def _insert(self, queue: list[Sequence], seq: Sequence) -> None:
         bisect.insort(queue, seq, key=self._key)
+
+
+def _lora_id(seq: Sequence) -> int:
+    """The id of the sequence's LoRA adapter; 0 for the base model."""
+    lora = seq.request.lora_request
+    return 0 if lora is None else lora.lora_int_id

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmserve.engine.beam_search import BeamState
+from llmserve.lora.request import LoRARequest
 from llmserve.outputs import Logprob
 from llmserve.sampling_params import SamplingParams
 
@@ -113,6 +114,7 @@ class Request:
     params: SamplingParams
     priority: int = 0
     cache_salt: str | None = None  # the prefix cache shares blocks only within one salt
+    lora_request: LoRARequest | None = None  # its LoRA adapter (llmserve/lora/), or None
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
     seqs: list[Sequence] = field(default_factory=list)
     is_forked: bool = False  # True once all n sequences exist and run

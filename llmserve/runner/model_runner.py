@@ -17,6 +17,7 @@ import torch
 
 from llmserve.engine.scheduler_output import ScheduledSeq, SchedulerOutput
 from llmserve.layers.attention_metadata import AttentionMetadata
+from llmserve.lora.manager import LoRAManager
 from llmserve.outputs import Logprob
 from llmserve.runner import kv_cache
 from llmserve.runner.cuda_graph import CUDAGraphRunner
@@ -66,6 +67,7 @@ class ModelRunner:
         self.cuda_graphs = cuda_graphs  # decode-only steps replay a captured graph (CUDA)
         self.drafter = drafter  # speculative decoding with a draft model
         self.swap = swap  # where preempted sequences' KV waits (--preemption-mode swap)
+        self.lora: LoRAManager | None = None  # LoRA adapters (--enable-lora), set by the worker
 
     @property
     def num_swap_blocks(self) -> int:
@@ -81,6 +83,9 @@ class ModelRunner:
         kv_cache.copy_blocks(self.kv_caches, sched.blocks_to_copy)
         drafts = self._propose(sched.scheduled)
         inputs = self.prepare_inputs(sched.scheduled, drafts)
+        if self.lora is not None:
+            rows = [_lora_id(item) for item in sched.scheduled for _ in range(item.num_tokens)]
+            self.lora.prepare(rows, inputs.meta.output_rows)
         if self.cuda_graphs and self.cuda_graphs.can_use(inputs.meta):
             hidden = self.cuda_graphs.forward(inputs.input_ids, inputs.positions, inputs.meta)
         else:
@@ -256,6 +261,11 @@ class ModelRunner:
             targets = seq.token_ids[start + 1 : end + 1]
             num = request.params.prompt_logprobs
             out.prompt_logprobs[request.request_id] = compute_prompt_logprobs(logits, targets, num)
+
+
+def _lora_id(item: ScheduledSeq) -> int:
+    lora = item.seq.request.lora_request
+    return 0 if lora is None else lora.lora_int_id
 
 
 def _wants_prompt_logprobs(item: ScheduledSeq) -> bool:

@@ -13,6 +13,7 @@ from llmserve.config import EngineConfig
 from llmserve.layers.attention import has_eager_attention
 from llmserve.layers.cpu_linear import can_pack, has_native_bf16, pack_linear_layers
 from llmserve.loader import ResolvedModel, iter_weights
+from llmserve.lora.manager import LoRAManager
 from llmserve.memory import keep_freed_memory, release_freed_memory
 from llmserve.models.registry import get_model_class
 from llmserve.quantization import loading as quantization
@@ -186,6 +187,9 @@ def create_runner(
         )
     graphs = None
     use_graphs = device.type == "cuda" and backend == "triton" and not config.device.enforce_eager
+    if use_graphs and config.lora.enable_lora:
+        logger.info("CUDA graphs off: LoRA adapters change the step's layers request by request")
+        use_graphs = False
     if use_graphs and has_eager_attention(model, max_model_len):
         logger.info("CUDA graphs off: ALiBi, soft-capping or sliding windows run eager attention")
         use_graphs = False
@@ -204,6 +208,10 @@ def create_runner(
     runner = ModelRunner(
         model, caches, spec.block_size, device, eos_token_id, backend, graphs, proposer, swap
     )
+    lora = config.lora
+    if lora.enable_lora:
+        capacity = lora.max_cpu_loras or lora.max_loras
+        runner.lora = LoRAManager(model, lora.max_lora_rank, capacity, dtype, device)
     weights = quantization.describe_weight_bytes(quantization.weight_bytes_by_dtype(model))
     info = (
         f"model {resolved.display_name} on {device} ({dtype}, attention: {backend}); "

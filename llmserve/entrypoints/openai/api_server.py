@@ -3,6 +3,7 @@
     POST /v1/completions  POST /v1/chat/completions  POST /v1/responses  GET /v1/models
     GET, DELETE /v1/responses/{id}  GET /v1/models/{name}  POST /tokenize  POST /detokenize
     GET /health (and /ping)  GET /version  GET /metrics  /openapi.json
+    POST /v1/load_lora_adapter, /v1/unload_lora_adapter  (VLLM_ALLOW_RUNTIME_LORA_UPDATING)
 
 ``llmserve serve [MODEL] --host --port --api-key ...`` starts it (see ``launcher.py``).
 """
@@ -52,6 +53,11 @@ from llmserve.entrypoints.openai.protocol_responses import (
 from llmserve.entrypoints.openai.serving_base import EventStream, ServingBase, ServingOptions
 from llmserve.entrypoints.openai.serving_chat import OpenAIServingChat, check_continuation
 from llmserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from llmserve.entrypoints.openai.serving_models import (
+    ServingModels,
+    lora_router,
+    runtime_updates_allowed,
+)
 from llmserve.entrypoints.openai.serving_responses import OpenAIServingResponses
 from llmserve.entrypoints.openai.stats_logger import StatsLogger, log_interval_s
 
@@ -73,7 +79,7 @@ class ServerState:
     chat: OpenAIServingChat
     responses: OpenAIServingResponses
     metrics: ServerMetrics
-    model_names: list[str]
+    models: ServingModels  # the base model's names and the LoRA adapters'
 
 
 def build_app(
@@ -84,21 +90,29 @@ def build_app(
     options: ServingOptions | None = None,
     log_stats: bool = True,
     docs: bool = True,
+    lora_modules: list[tuple[str, str, str | None]] = (),
 ) -> FastAPI:
     """The FastAPI app; the engine thread starts and stops with the app's lifespan.
     ``allowed_origins``: the origins whose pages a browser lets call the API (CORS; ``*``:
     any); none: no CORS headers at all. ``options``: the endpoints' server-wide choices;
     ``log_stats``: the periodic stats line (stats_logger.py); ``docs``: /docs, /redoc and
-    /openapi.json."""
-    names = model_names or [engine.engine.model_name]
-    chat = OpenAIServingChat(engine, names, options)
+    /openapi.json. ``lora_modules``: (name, path, base model name) of each LoRA adapter
+    served (``--lora-modules``; the engine needs ``enable_lora``)."""
+    lora = engine.engine.config.lora
+    models = ServingModels(
+        model_names or [engine.engine.model_name],
+        lora.max_lora_rank if lora.enable_lora else None,
+    )
+    for name, path, base_model_name in lora_modules:
+        models.add(name, path, base_model_name)
+    chat = OpenAIServingChat(engine, models, options)
     state = ServerState(
         engine=engine,
-        completion=OpenAIServingCompletion(engine, names, options),
+        completion=OpenAIServingCompletion(engine, models, options),
         chat=chat,
         responses=OpenAIServingResponses(chat),
         metrics=ServerMetrics(engine),
-        model_names=names,
+        models=models,
     )
     interval_s = log_interval_s() if log_stats else None  # a bad value refused before start
 
@@ -118,6 +132,8 @@ def build_app(
     app.state.llmserve = state
     app.openapi = lambda: openapi_schema(app, engine.engine, chat.options.store_responses)
     app.include_router(router)
+    if lora.enable_lora and runtime_updates_allowed():
+        app.include_router(lora_router)
     install_error_handlers(app)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
@@ -259,7 +275,7 @@ async def _wait_for_disconnect(raw: Request) -> None:
 # ---- models, tokenizer, health ------------------------------------------------------------
 @router.get("/v1/models", response_model=ModelList)
 async def list_models(raw: Request) -> ModelList:
-    """The model this server serves."""
+    """The models this server serves: the base model, then its LoRA adapters."""
     return ModelList(data=_model_cards(_state(raw)))
 
 
@@ -274,10 +290,7 @@ async def retrieve_model(model: str, raw: Request) -> ModelCard:
 def _model_cards(state: ServerState) -> list[ModelCard]:
     engine = state.engine.engine
     root = engine.config.model.model or engine.resolved.display_name
-    return [
-        ModelCard(id=name, root=root, max_model_len=engine.max_model_len)
-        for name in state.model_names
-    ]
+    return state.models.cards(root, engine.max_model_len)
 
 
 @router.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)

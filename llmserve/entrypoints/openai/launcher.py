@@ -71,6 +71,15 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         "otherwise (return_tokens_as_token_ids), as vLLM's flag",
     )
     server.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters served beside the model (with --enable-lora), each as name=path "
+        'or JSON {"name": ..., "path": ..., "base_model_name": ...}; a request picks one by '
+        "its model field (vLLM's flag)",
+    )
+    server.add_argument(
         "--enable-responses-store",
         action="store_true",
         help="keep the newest 1024 replies of /v1/responses in memory for previous_response_id "
@@ -149,6 +158,7 @@ def run_server(args: argparse.Namespace) -> int:
     from llmserve.engine.llm_engine import LLMEngine
     from llmserve.entrypoints.openai.api_server import build_app
     from llmserve.entrypoints.openai.serving_base import ServingOptions
+    from llmserve.entrypoints.openai.serving_models import parse_lora_modules
 
     kwargs = engine_kwargs(args)
     if args.model_tag is not None:
@@ -164,6 +174,7 @@ def run_server(args: argparse.Namespace) -> int:
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
         raise ValueError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
     chat_template = read_chat_template(args.chat_template) if args.chat_template else None
+    lora_modules = parse_lora_modules(args.lora_modules)
     config = EngineConfig.from_kwargs(**kwargs)
     if config.parallel.data_parallel_size > 1:  # N replicas on Ray (llmserve/distributed/)
         from llmserve.distributed.data_parallel import DataParallelEngine
@@ -194,6 +205,7 @@ def run_server(args: argparse.Namespace) -> int:
         options=options,
         log_stats=not args.disable_log_stats,
         docs=not args.disable_fastapi_docs,
+        lora_modules=lora_modules,
     )
     config = uvicorn.Config(
         app,

@@ -16,9 +16,11 @@ from typing import Any
 from llmserve.engine.async_engine import AsyncLLMEngine
 from llmserve.engine.llm_engine import PromptType
 from llmserve.engine.request_stream import RequestStream
-from llmserve.entrypoints.openai.errors import OpenAIError, error_from_exception
+from llmserve.entrypoints.openai.errors import error_from_exception
 from llmserve.entrypoints.openai.logprobs import TokenIdTexts, TokenTexts
 from llmserve.entrypoints.openai.protocol import ErrorResponse, PromptTokensDetails, UsageInfo
+from llmserve.entrypoints.openai.serving_models import ServingModels
+from llmserve.lora.request import LoRARequest
 from llmserve.outputs import CompletionOutput, RequestOutput
 from llmserve.sampling_params import SamplingParams
 
@@ -91,12 +93,12 @@ class ServingBase:
     def __init__(
         self,
         engine: AsyncLLMEngine,
-        model_names: list[str],
+        models: ServingModels,
         options: ServingOptions | None = None,
     ) -> None:
         self.engine = engine
-        self.model_names = model_names
-        self.model_name = model_names[0]
+        self.models = models
+        self.model_name = models.base_names[0]
         self.options = options or ServingOptions()
         self.tokenizer = engine.engine.tokenizer
         self.texts = TokenTexts(self.tokenizer)
@@ -104,15 +106,14 @@ class ServingBase:
         self.vocab_size: int = engine.engine.hf_config.vocab_size
         self.sampling_defaults: dict[str, Any] = engine.engine.sampling_defaults
 
-    def check_model(self, name: str | None) -> None:
-        """404 for a model this server does not serve (no name means the default)."""
-        if name is not None and name not in self.model_names:
-            raise OpenAIError(
-                f"The model {name!r} does not exist; this server serves {self.model_names}",
-                status=404,
-                param="model",
-                code="model_not_found",
-            )
+    def check_model(self, name: str | None) -> LoRARequest | None:
+        """The LoRA adapter ``name`` picks (None: the base model; no name means the base
+        model); 404 for a model this server does not serve."""
+        return self.models.resolve(name)
+
+    def reply_model(self, name: str | None) -> str:
+        """The ``model`` of a reply to a request that named ``name``."""
+        return self.models.reply_name(name)
 
     def token_texts(self, request: Any) -> TokenTexts:
         """How this request's logprobs name tokens: their text, or ``token_id:N``."""
@@ -128,9 +129,10 @@ class ServingBase:
         params: SamplingParams,
         priority: int,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> list[RequestStream]:
-        """Queue one engine request per prompt (each with ``cache_salt``, where given); if any
-        is refused, none stays queued."""
+        """Queue one engine request per prompt (each with ``cache_salt``, where given, and
+        ``lora_request``'s adapter); if any is refused, none stays queued."""
         if cache_salt is not None:
             prompts = [_as_dict(p) | {"cache_salt": cache_salt} for p in prompts]
         streams: list[RequestStream] = []
@@ -143,7 +145,9 @@ class ServingBase:
                 if self.options.log_requests:
                     self._log_request(request_id_i, prompt, params)
                 streams.append(
-                    await self.engine.add_request(request_id_i, prompt, params, priority)
+                    await self.engine.add_request(
+                        request_id_i, prompt, params, priority, lora_request
+                    )
                 )
         except Exception as e:
             self.abort(streams)

@@ -58,7 +58,7 @@ class OpenAIServingChat(ServingBase):
     ) -> tuple[str, RequestStream, str]:
         """Template the conversation and queue it under ``request_id`` (default: a new
         chatcmpl-... id): (the id, its stream, the tool mode)."""
-        self.check_model(request.model)
+        lora = self.check_model(request.model)
         how = tool_calls.mode(request)
         tool_calls.check_tools(request)
         messages, tools = tool_calls.conversation(request, self.template_has_tools, how)
@@ -74,7 +74,7 @@ class OpenAIServingChat(ServingBase):
         request_id = request_id or random_id("chatcmpl")
         prompt = {"prompt_token_ids": prompt_ids}
         (stream,) = await self.add_all(
-            request_id, [prompt], params, request.priority, request.cache_salt
+            request_id, [prompt], params, request.priority, request.cache_salt, lora
         )
         return request_id, stream, how
 
@@ -100,7 +100,7 @@ class OpenAIServingChat(ServingBase):
             )
         return ChatCompletionResponse(
             id=request_id,
-            model=self.model_name,
+            model=self.reply_model(request.model),
             choices=choices,
             usage=self.usage([out]),
             prompt_token_ids=out.prompt_token_ids if request.return_token_ids else None,
@@ -199,7 +199,7 @@ class OpenAIServingChat(ServingBase):
             return ChatCompletionChunk(
                 id=request_id,
                 created=created,
-                model=self.model_name,
+                model=self.reply_model(request.model),
                 choices=choices,
                 usage=usage,
                 prompt_token_ids=prompt_token_ids,

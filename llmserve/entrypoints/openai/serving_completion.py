@@ -37,12 +37,12 @@ class OpenAIServingCompletion(ServingBase):
 
     async def create(self, request: CompletionRequest) -> CompletionResponse | EventStream:
         """Queue the prompts; a response, or (``stream``) an SSE event stream."""
-        self.check_model(request.model)
+        lora = self.check_model(request.model)
         prompts = _prompts(request.prompt)
         params = completion_params(request, self.vocab_size, self.sampling_defaults)
         request_id = random_id("cmpl")
         streams = await self.add_all(
-            request_id, prompts, params, request.priority, request.cache_salt
+            request_id, prompts, params, request.priority, request.cache_salt, lora
         )
         if request.stream:
             return EventStream(self._stream(request, request_id, streams), streams)
@@ -54,7 +54,10 @@ class OpenAIServingCompletion(ServingBase):
         ]
         choices.sort(key=lambda c: c.index)
         return CompletionResponse(
-            id=request_id, model=self.model_name, choices=choices, usage=self.usage(outputs)
+            id=request_id,
+            model=self.reply_model(request.model),
+            choices=choices,
+            usage=self.usage(outputs),
         )
 
     def _choice(
@@ -118,7 +121,11 @@ class OpenAIServingCompletion(ServingBase):
     ) -> AsyncIterator[str]:
         def event(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
             body = CompletionResponse(
-                id=request_id, created=created, model=self.model_name, choices=choices, usage=usage
+                id=request_id,
+                created=created,
+                model=self.reply_model(request.model),
+                choices=choices,
+                usage=usage,
             )
             return sse(body.model_dump_json())
 

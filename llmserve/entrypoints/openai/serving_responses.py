@@ -139,7 +139,13 @@ class OpenAIServingResponses:
         items += [responses_chat.function_call(call) for call in choice.message.tool_calls or []]
         stored = self.store is not None
         response = responses_chat.response_object(
-            request, self.chat.model_name, response_id, items, reply.usage, incomplete, stored
+            request,
+            self.chat.reply_model(request.model),
+            response_id,
+            items,
+            reply.usage,
+            incomplete,
+            stored,
         )
         self._keep(request, response, conversation)
         return response
@@ -166,7 +172,7 @@ class OpenAIServingResponses:
                 event("response.content_part.added", **where, part=dump(OutputText(text=""))),
             ]
 
-        model = self.chat.model_name
+        model = self.chat.reply_model(request.model)
         stored = self.store is not None
         started = responses_chat.response_object(
             request, model, response_id, [], None, False, stored, "in_progress"
