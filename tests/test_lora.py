@@ -3,7 +3,8 @@
 Greedy tokens equal PEFT's for each adapter alone and mixed in one batch with other adapters
 and the base model; Llama (fused q/k/v and gate/up, rsLoRA, alpha_pattern) and GPT-2 (Conv1D,
 fan_in_fan_out, fused c_attn). The scheduler's max_loras, the prefix cache kept per adapter,
-the loaded adapters bounded by max_cpu_loras, bad adapters refused with what is wrong.
+the loaded adapters bounded by max_cpu_loras, bad adapters refused with what is wrong, an
+int8 base under an adapter, ``llmserve bench throughput --lora-path``.
 """
 
 from __future__ import annotations
@@ -286,3 +287,48 @@ def test_gpt2_conv1d_adapter_matches_peft(tmp_path, tokenizer):
     )  # fmt: skip
     lora = LoRARequest("gpt2-lora", 1, str(tmp_path / "lora"))
     assert _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=lora)) == expected
+
+
+def test_bench_throughput_runs_every_request_with_the_adapter(llama, tmp_path, capsys):
+    """``llmserve bench throughput --lora-path``: LoRA switched on, requests over --max-loras
+    adapter ids (two adapters in one step here); a peer backend is refused."""
+    from llmserve.entrypoints.cli import main
+
+    base, adapters, _ = llama
+    out = tmp_path / "lora.json"
+    argv = ["bench", "throughput", "--model", base, "--lora-path", adapters["all"][0],
+            "--max-loras", "2", "--num-prompts", "4", "--output-len", "4", "--disable-tqdm",
+            "--kv-cache-memory", "8000000", "--max-model-len", "256"]  # fmt: skip
+    assert main([*argv, "--output-json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["lora_path"] == adapters["all"][0]
+    assert report["engine_args"]["enable_lora"] is True
+    assert report["total_output_tokens"] == 16 and report["output_throughput"] > 0
+    assert main([*argv, "--backend", "transformers"]) == 2
+    assert "--lora-path runs on the llmserve backend only" in capsys.readouterr().err
+
+
+def test_a_quantized_base_keeps_its_layers_under_the_adapter(llama):
+    """On an int8 base the adapter wraps the quantized layer: rows of the adapter get the
+    quantized product plus (x A^T)(s B^T), the others the quantized product alone."""
+    from llmserve.lora.layers import LoRALinear
+    from llmserve.quantization.linear import QuantLinear
+
+    base, adapters, _ = llama
+    llm = LLM(
+        base, quantization="int8", kv_cache_memory=8 << 20, max_model_len=128, block_size=8,
+        enable_lora=True,
+    )  # fmt: skip
+    plain = _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+    lora = _lora(adapters, "all", 1)
+    assert _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=lora)) != plain
+    layer = llm.llm_engine.runner.model.layers[0].self_attn.qkv_proj
+    assert isinstance(layer, LoRALinear) and isinstance(layer.base, QuantLinear)
+    x = torch.randn(3, layer.in_features)
+    layer.batch.set([1, 0, 1], None)
+    a_t, b_t = layer.adapters[1]
+    want = layer.base(x)
+    want[[0, 2]] += x[[0, 2]] @ a_t @ b_t
+    torch.testing.assert_close(layer(x), want)
+    layer.batch.set([0, 0, 0], None)
+    torch.testing.assert_close(layer(x), layer.base(x))

@@ -251,9 +251,11 @@ class Scheduler:
         """Admit waiting sequences in queue order while budget, slots and blocks last."""
         num_seqs = self._num_running_seqs()
         num_admitted = 0
-        loras = {_lora_id(s) for s in self.running} - {0}
+        loras: set[int] | None = None  # the step's LoRA adapters, found once one is asked for
         for seq in [s for s in self.waiting if self.policy.is_admissible(s)]:
             lora = _lora_id(seq)
+            if lora and loras is None:
+                loras = {_lora_id(s) for s in self.running} - {0}
             if lora and lora not in loras and len(loras) >= self.max_loras:
                 continue
             if (
@@ -265,7 +267,8 @@ class Scheduler:
             if num_tokens == 0:
                 break
             out.scheduled.append(ScheduledSeq(seq, num_tokens, self._num_samples(seq, num_tokens)))
-            loras |= {lora} - {0}
+            if lora:
+                loras.add(lora)
             num_seqs += 1 + seq.request.num_pending_forks
             num_admitted += 1
             budget -= num_tokens
