@@ -326,9 +326,9 @@ def test_a_quantized_base_keeps_its_layers_under_the_adapter(llama):
     assert isinstance(layer, LoRALinear) and isinstance(layer.base, QuantLinear)
     x = torch.randn(3, layer.in_features)
     layer.batch.set([1, 0, 1], None)
-    a_t, b_t = layer.adapters[1]
+    low_rank = layer.adapters[1]
     want = layer.base(x)
-    want[[0, 2]] += x[[0, 2]] @ a_t @ b_t
+    want[[0, 2]] += x[[0, 2]] @ low_rank.a_t @ low_rank.b_t
     torch.testing.assert_close(layer(x), want)
     layer.batch.set([0, 0, 0], None)
     torch.testing.assert_close(layer(x), layer.base(x))

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 import torch
 
-from llmserve.lora.layers import LoRABatch, LoRALinear
+from llmserve.lora.layers import LoRABatch, LoRALinear, LowRank
 from llmserve.lora.request import LoRARequest
 from llmserve.lora.weights import load_adapter
 
@@ -52,8 +52,8 @@ class LoRAManager:
             self._evict({request.lora_int_id, *in_use})
             return False
         weights = load_adapter(self.model, request, self.max_rank, self.dtype, self.device)
-        for name, pair in weights.items():
-            self._layer(name).adapters[request.lora_int_id] = pair
+        for name, (a_t, b_t) in weights.items():
+            self._layer(name).adapters[request.lora_int_id] = LowRank(a_t, b_t)
         self.loaded[request.lora_int_id] = request
         logger.info(
             "LoRA adapter %s (id %d) loaded from %s: %d layers",
