@@ -78,14 +78,32 @@ def run_preloaded() -> None:
 
 
 def offline(
-    model: str, dtype: str, prompts_file: str, output_len: int, temperature: float, top_p: float
+    model: str,
+    dtype: str,
+    prompts_file: str,
+    output_len: int,
+    temperature: float,
+    top_p: float,
+    lora_path: str | None = None,
+    max_loras: int = 1,
 ) -> None:
+    """``lora_path``: every request with this LoRA adapter, as ``max_loras`` adapter ids
+    round robin (as ``llmserve bench throughput --lora-path``)."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     with open(prompts_file) as f:
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in json.load(f)]
-    llm = LLM(model, dtype=dtype, seed=0)
+    lora, options = None, {}
+    if lora_path is not None:
+        from vllm.lora.request import LoRARequest
+
+        options = {"enable_lora": True, "max_loras": max_loras, "max_lora_rank": 16}
+        lora = [
+            LoRARequest(f"lora-{i % max_loras + 1}", i % max_loras + 1, lora_path)
+            for i in range(len(prompts))
+        ]
+    llm = LLM(model, dtype=dtype, seed=0, **options)
     batch = SamplingParams(
         temperature=temperature, top_p=top_p, max_tokens=output_len, ignore_eos=True
     )
@@ -93,7 +111,7 @@ def offline(
         if not cached:
             llm.reset_prefix_cache()
         start = time.perf_counter()
-        outputs = llm.generate(prompts, batch, use_tqdm=False)
+        outputs = llm.generate(prompts, batch, use_tqdm=False, lora_request=lora)
         elapsed = time.perf_counter() - start
         tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
         label = "prompts already in the prefix cache" if cached else "cold prompts"
@@ -103,7 +121,7 @@ def offline(
     for run in range(3):
         llm.reset_prefix_cache()
         start = time.perf_counter()
-        llm.generate(prompts[:1], single, use_tqdm=False)
+        llm.generate(prompts[:1], single, use_tqdm=False, lora_request=lora and lora[0])
         elapsed = time.perf_counter() - start
         print(f"vllm {dtype} batch 1, 256 tokens (run {run + 1}): {256 / elapsed:.1f} tok/s")
 
@@ -123,8 +141,19 @@ def main() -> None:
             "--temperature", type=float, default=0.0, help="the batch's (0: greedy)"
         )
         parser.add_argument("--top-p", type=float, default=1.0, help="the batch's")
+        parser.add_argument("--lora-path", default=None, help="a PEFT adapter for every request")
+        parser.add_argument("--max-loras", type=int, default=1, help="adapter ids, round robin")
         args = parser.parse_args(sys.argv[2:])
-        offline(args.model, args.dtype, args.prompts, args.output_len, args.temperature, args.top_p)
+        offline(
+            args.model,
+            args.dtype,
+            args.prompts,
+            args.output_len,
+            args.temperature,
+            args.top_p,
+            args.lora_path,
+            args.max_loras,
+        )
         return
     from vllm.entrypoints.cli.main import main as vllm_main
 
