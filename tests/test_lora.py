@@ -19,11 +19,11 @@ import torch
 from llmserve import LLM, LoRARequest, SamplingParams
 from tests.conftest import assert_no_leaks
 from tests.fake_engine import FakeEngine, make_request
+from tests.test_architectures import NUM_TOKENS, PROMPTS
+from tests.test_architectures import _reference as _greedy  # transformers' greedy tokens
 
 peft = pytest.importorskip("peft")
 
-PROMPTS = ["Hello there", "SELECT name FROM users WHERE", "1, 2, 3, 4,"]
-NUM_TOKENS = 10
 GREEDY = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS)
 LLAMA_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -46,22 +46,6 @@ def _gpt2_config(tokenizer):
         vocab_size=49152, n_embd=64, n_layer=2, n_head=4, n_positions=256,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
     )  # fmt: skip
-
-
-def _greedy(model, tokenizer) -> list[list[int]]:
-    outs = []
-    for prompt in PROMPTS:
-        ids = torch.tensor([tokenizer.encode(prompt)])
-        gen = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=NUM_TOKENS,
-            min_new_tokens=NUM_TOKENS,
-            pad_token_id=0,
-        )
-        outs.append(gen[0, ids.shape[1] :].tolist())
-    return outs
 
 
 def _save_adapter(base, path, seed: int, **lora_config):

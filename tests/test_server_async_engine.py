@@ -44,7 +44,9 @@ class StubEngine:
         self.step_gate.set()
         self.pause_after_steps: int | None = None  # clear the gate after this many steps
 
-    def add_request(self, request_id, prompt, params, priority=0, arrival_time=None):
+    def add_request(
+        self, request_id, prompt, params, priority=0, arrival_time=None, lora_request=None
+    ):
         if not prompt:
             raise ValueError("the prompt is empty; give at least one token")
         request = make_request(request_id, len(prompt), params.max_tokens, params.n, prompt=prompt)

@@ -262,7 +262,7 @@ class AsyncLLMEngine:
             if not self._is_accepting:
                 raise EngineClosedError("the server is shutting down and takes no new requests")
             self.engine.add_request(
-                stream.request_id, prompt, params, priority, arrival_time, lora_request
+                stream.request_id, prompt, params, priority, arrival_time, lora_request=lora_request
             )
         except Exception as e:  # ValueError for the caller; anything else, too
             done.set_exception(e)
