@@ -3,8 +3,9 @@
 A real server on a tiny Llama with PEFT adapters (tests/test_lora.py builds them): /v1/models
 lists the adapters with their base; completions and chat under an adapter's name give PEFT's
 greedy tokens and carry that name; an unknown name is 404; adapters loaded and unloaded at
-run time (VLLM_ALLOW_RUNTIME_LORA_UPDATING, vLLM's switch), bad ones refused with 400; the
-engine in a process of its own (the adapter travels with the request) gives the same tokens.
+run time (VLLM_ALLOW_RUNTIME_LORA_UPDATING, vLLM's switch), bad ones refused with 400 (at
+load, or at their first request when only the weights show it); the engine in a process of
+its own (the adapter travels with the request) gives the same tokens.
 """
 
 from __future__ import annotations
@@ -100,6 +101,28 @@ def test_adapters_load_and_unload_at_run_time(server, llama, tmp_path):
     assert post("unload_lora_adapter", lora_name="mlp").status_code == 200
     assert complete(server, "mlp").status_code == 404
     assert post("unload_lora_adapter", lora_name="mlp").status_code == 404
+
+
+def test_an_adapter_the_engine_cannot_run_is_a_400(server, tmp_path):
+    """Its config reads well, so it is served; its weights fit another base model, so its
+    requests are refused with that reason, and the server goes on."""
+    import peft
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from llmserve.tokenizer import get_tokenizer
+    from tests.test_lora import _llama_config
+
+    other = AutoModelForCausalLM.from_config(_llama_config(get_tokenizer(None), hidden=32))
+    torch.manual_seed(0)
+    config = peft.LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=False)
+    peft.get_peft_model(other, config).save_pretrained(str(tmp_path / "other"))
+    body = {"lora_name": "other", "lora_path": str(tmp_path / "other")}
+    assert httpx.post(server.url + "/v1/load_lora_adapter", json=body).status_code == 200
+    refused = complete(server, "other")
+    assert refused.status_code == 400
+    assert "another base model" in refused.json()["error"]["message"]
+    assert complete(server, "all").status_code == 200
 
 
 def test_the_engine_core_process_runs_the_adapters(llama):
