@@ -1,8 +1,8 @@
 """``llmserve serve --enable-lora --lora-modules``: a request's ``model`` picks the adapter.
 
 A real server on a tiny Llama with PEFT adapters (tests/test_lora.py builds them): /v1/models
-lists the adapters with their base; completions and chat under an adapter's name give PEFT's
-greedy tokens and carry that name; an unknown name is 404; adapters loaded and unloaded at
+lists the adapters with their base; completions under an adapter's name give PEFT's greedy
+tokens, and completions, chat and responses carry that name; an unknown name is 404; adapters loaded and unloaded at
 run time (VLLM_ALLOW_RUNTIME_LORA_UPDATING, vLLM's switch), bad ones refused with 400 (at
 load, or at their first request when only the weights show it); the engine in a process of
 its own (the adapter travels with the request) gives the same tokens.
@@ -80,6 +80,9 @@ def test_the_model_field_picks_the_adapter(server, llama):
     with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=TIMEOUT) as r:
         chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
     assert chunks and all(c["model"] == "qv" for c in chunks)
+    body = {"model": "all", "input": "hi", "max_output_tokens": 3}
+    reply = httpx.post(server.url + "/v1/responses", json=body, timeout=TIMEOUT)
+    assert reply.status_code == 200 and reply.json()["model"] == "all"
     missing = complete(server, "nope")
     assert missing.status_code == 404
     assert "'all'" in missing.json()["error"]["message"]
