@@ -2,10 +2,11 @@
 
 A real server on a tiny Llama with PEFT adapters (tests/test_lora.py builds them): /v1/models
 lists the adapters with their base; completions under an adapter's name give PEFT's greedy
-tokens, and completions, chat and responses carry that name; an unknown name is 404; adapters loaded and unloaded at
-run time (VLLM_ALLOW_RUNTIME_LORA_UPDATING, vLLM's switch), bad ones refused with 400 (at
-load, or at their first request when only the weights show it); the engine in a process of
-its own (the adapter travels with the request) gives the same tokens.
+tokens, and completions, chat and responses carry that name; an unknown name is 404;
+adapters loaded and unloaded at run time (VLLM_ALLOW_RUNTIME_LORA_UPDATING, vLLM's switch),
+bad ones refused with 400 (at load, or at their first request when only the weights show
+it); the engine in a process of its own (the adapter travels with the request) gives the
+same tokens.
 """
 
 from __future__ import annotations
