@@ -41,10 +41,12 @@ class LLM:
         prompts = self._as_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        params = self._per_prompt(sampling_params, len(prompts))
+        params = self._per_prompt(sampling_params, len(prompts), SamplingParams, "SamplingParams")
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority has {len(priority)} entries for {len(prompts)} prompts")
-        loras = self._per_prompt_lora(lora_request, len(prompts))
+        loras = self._per_prompt(
+            lora_request, len(prompts), (LoRARequest, type(None)), "LoRA requests"
+        )
         final_only: dict[int, SamplingParams] = {}  # each params once: prompts often share one
         request_ids = []
         for i, (prompt, p) in enumerate(zip(prompts, params)):
@@ -179,19 +181,12 @@ class LLM:
         return self.llm_engine.default_sampling_params()
 
     @staticmethod
-    def _per_prompt(params, num_prompts: int) -> list[SamplingParams]:
-        if isinstance(params, SamplingParams):
-            return [params] * num_prompts
-        params = list(params)
-        if len(params) != num_prompts:
-            raise ValueError(f"got {len(params)} SamplingParams for {num_prompts} prompts")
-        return params
-
-    @staticmethod
-    def _per_prompt_lora(lora, num_prompts: int) -> list[LoRARequest | None]:
-        if lora is None or isinstance(lora, LoRARequest):
-            return [lora] * num_prompts
-        lora = list(lora)
-        if len(lora) != num_prompts:
-            raise ValueError(f"got {len(lora)} LoRA requests for {num_prompts} prompts")
-        return lora
+    def _per_prompt(value, num_prompts: int, one: type | tuple[type, ...], what: str) -> list:
+        """``value`` for every prompt where it is ``one`` of its kind, else its list, checked to
+        have one per prompt."""
+        if isinstance(value, one):
+            return [value] * num_prompts
+        value = list(value)
+        if len(value) != num_prompts:
+            raise ValueError(f"got {len(value)} {what} for {num_prompts} prompts")
+        return value

@@ -51,8 +51,7 @@ def salt_hash(cache_salt: str | None, lora_int_id: int = 0) -> int | None:
     prompt differs) never share cached blocks, even of one prompt."""
     if cache_salt is None and not lora_int_id:
         return None
-    key = ("cache_salt", cache_salt) if not lora_int_id else ("lora", cache_salt, lora_int_id)
-    return hash(key)
+    return hash(("cache_salt", cache_salt, lora_int_id))
 
 
 class BlockManager:
@@ -259,7 +258,12 @@ class BlockManager:
         """The chained hashes of ``seq``'s blocks from the first not yet in ``block_hashes``
         up to block ``end`` (exclusive)."""
         hashes: list[int] = []
-        parent = seq.block_hashes[-1] if seq.block_hashes else _root_hash(seq.request)
+        request = seq.request
+        parent = (
+            seq.block_hashes[-1]
+            if seq.block_hashes
+            else salt_hash(request.cache_salt, request.lora_int_id)
+        )
         for i in range(len(seq.block_hashes), end):
             start = i * self.block_size
             parent = hash_block(parent, tuple(seq.token_ids[start : start + self.block_size]))
@@ -320,8 +324,3 @@ class BlockManager:
     def _drop_hash(self, block_id: int) -> None:
         block_hash = self.block_hash.pop(block_id)
         del self.cached_blocks[block_hash]
-
-
-def _root_hash(request) -> int | None:
-    lora = request.lora_request
-    return salt_hash(request.cache_salt, lora.lora_int_id if lora is not None else 0)

@@ -202,8 +202,7 @@ class LLMEngine:
         return set(self.runner.lora.loaded) if self.config.lora.enable_lora else set()
 
     def _loras_in_use(self) -> set[int]:
-        requests = self.scheduler.requests.values()
-        return {r.lora_request.lora_int_id for r in requests if r.lora_request is not None}
+        return {r.lora_int_id for r in self.scheduler.requests.values()} - {0}
 
     def _admit(self, prompt_ids: list[int], params: SamplingParams) -> SamplingParams:
         """Refuse what can never fit, with the numbers and the flag to change."""

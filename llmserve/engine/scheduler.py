@@ -253,9 +253,9 @@ class Scheduler:
         num_admitted = 0
         loras: set[int] | None = None  # the step's LoRA adapters, found once one is asked for
         for seq in [s for s in self.waiting if self.policy.is_admissible(s)]:
-            lora = _lora_id(seq)
+            lora = seq.request.lora_int_id
             if lora and loras is None:
-                loras = {_lora_id(s) for s in self.running} - {0}
+                loras = {s.request.lora_int_id for s in self.running} - {0}
             if lora and lora not in loras and len(loras) >= self.max_loras:
                 continue
             if (
@@ -368,9 +368,3 @@ class Scheduler:
 
     def _insert(self, queue: list[Sequence], seq: Sequence) -> None:
         bisect.insort(queue, seq, key=self._key)
-
-
-def _lora_id(seq: Sequence) -> int:
-    """The id of the sequence's LoRA adapter; 0 for the base model."""
-    lora = seq.request.lora_request
-    return 0 if lora is None else lora.lora_int_id

@@ -127,6 +127,11 @@ class Request:
         return len(self.prompt_token_ids)
 
     @property
+    def lora_int_id(self) -> int:
+        """Its LoRA adapter's id; 0 for the base model."""
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
+
+    @property
     def arrival_time(self) -> float:
         return self.metrics.arrival_time
 

@@ -85,10 +85,6 @@ class LowRank:
             self.shrink = PackedLinear(_linear(a_t.T), batch_size_hint=64)
             self.expand = PackedLinear(_linear(b_t.T), batch_size_hint=64)
 
-    @property
-    def rank(self) -> int:
-        return self.a_t.shape[1]
-
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.shrink is None:
             return (x @ self.a_t) @ self.b_t

@@ -42,28 +42,26 @@ class LoRAManager:
         """Load ``request``'s adapter unless loaded; True if it was loaded now. ``in_use``:
         adapter ids that requests still name (kept even beyond the capacity)."""
         known = self.loaded.get(request.lora_int_id)
-        if known is not None:
-            if known.lora_path != request.lora_path:
-                raise ValueError(
-                    f"lora_int_id {request.lora_int_id} is loaded from {known.lora_path!r}; "
-                    f"{request.lora_path!r} needs an id of its own"
-                )
-            self.loaded.move_to_end(request.lora_int_id)
-            self._evict({request.lora_int_id, *in_use})
-            return False
-        weights = load_adapter(self.model, request, self.max_rank, self.dtype, self.device)
-        for name, (a_t, b_t) in weights.items():
-            self._layer(name).adapters[request.lora_int_id] = LowRank(a_t, b_t)
-        self.loaded[request.lora_int_id] = request
-        logger.info(
-            "LoRA adapter %s (id %d) loaded from %s: %d layers",
-            request.lora_name,
-            request.lora_int_id,
-            request.lora_path,
-            len(weights),
-        )
+        if known is None:
+            weights = load_adapter(self.model, request, self.max_rank, self.dtype, self.device)
+            for name, (a_t, b_t) in weights.items():
+                self._layer(name).adapters[request.lora_int_id] = LowRank(a_t, b_t)
+            self.loaded[request.lora_int_id] = request
+            logger.info(
+                "LoRA adapter %s (id %d) loaded from %s: %d layers",
+                request.lora_name,
+                request.lora_int_id,
+                request.lora_path,
+                len(weights),
+            )
+        elif known.lora_path != request.lora_path:
+            raise ValueError(
+                f"lora_int_id {request.lora_int_id} is loaded from {known.lora_path!r}; "
+                f"{request.lora_path!r} needs an id of its own"
+            )
+        self.loaded.move_to_end(request.lora_int_id)
         self._evict({request.lora_int_id, *in_use})
-        return True
+        return known is None
 
     def remove(self, lora_int_id: int) -> bool:
         if self.loaded.pop(lora_int_id, None) is None:
@@ -74,10 +72,10 @@ class LoRAManager:
 
     def prepare(self, row_adapters: list[int], output_rows: torch.Tensor | None) -> None:
         """The step's rows per adapter (``row_adapters``: each row's adapter id, 0 for none)."""
-        missing = set(row_adapters) - {0} - set(self.loaded)
-        if missing:
-            raise RuntimeError(f"LoRA adapters {sorted(missing)} are scheduled but not loaded")
         self.batch.set(row_adapters, output_rows)
+        missing = [adapter for adapter, _ in self.batch.groups if adapter not in self.loaded]
+        if missing:  # a layer would run it as the base model, silently
+            raise RuntimeError(f"LoRA adapters {missing} are scheduled but not loaded")
 
     def _evict(self, keep: set[int]) -> None:
         while len(self.loaded) > self.capacity:

@@ -37,11 +37,9 @@ class LoRARequest:
 class AdapterConfig:
     """What llmserve reads of ``adapter_config.json``."""
 
-    rank: int
     alpha: float
     use_rslora: bool
-    rank_pattern: dict[str, int]
-    alpha_pattern: dict[str, float]
+    alpha_pattern: dict[str, float]  # per module (each module's rank comes with its tensors)
 
     def scaling(self, module_name: str, rank: int) -> float:
         """``alpha / r`` of one module (``alpha / sqrt(r)`` with rsLoRA), its patterns first."""
@@ -72,16 +70,13 @@ def read_adapter_config(path: str, max_rank: int) -> AdapterConfig:
             raise ValueError(f"adapter {path!r}: {what} are not supported")
     if raw.get("bias", "none") != "none":
         raise ValueError(f"adapter {path!r}: bias {raw['bias']!r} is not supported (only none)")
-    rank_pattern = {str(k): int(v) for k, v in (raw.get("rank_pattern") or {}).items()}
-    config = AdapterConfig(
-        rank=int(raw.get("r", 8)),
+    ranks = [int(raw.get("r", 8)), *(int(r) for r in (raw.get("rank_pattern") or {}).values())]
+    check_rank(max(ranks), max_rank, path)
+    return AdapterConfig(
         alpha=float(raw.get("lora_alpha", 8)),
         use_rslora=bool(raw.get("use_rslora", False)),
-        rank_pattern=rank_pattern,
         alpha_pattern={str(k): float(v) for k, v in (raw.get("alpha_pattern") or {}).items()},
     )
-    check_rank(max([config.rank, *rank_pattern.values()]), max_rank, path)
-    return config
 
 
 def check_rank(rank: int, max_rank: int, path: str) -> None:
@@ -93,7 +88,7 @@ def check_rank(rank: int, max_rank: int, path: str) -> None:
 
 
 def _pattern_value(patterns: dict, module_name: str, default):
-    """PEFT's rank/alpha pattern lookup: the first key matching the module name's end."""
+    """PEFT's pattern lookup: the first key matching the module name's end."""
     for key, value in patterns.items():
         if re.fullmatch(rf"(.*\.)?{key}", module_name):
             return value

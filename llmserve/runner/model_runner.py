@@ -84,7 +84,8 @@ class ModelRunner:
         drafts = self._propose(sched.scheduled)
         inputs = self.prepare_inputs(sched.scheduled, drafts)
         if self.lora is not None:
-            rows = [_lora_id(item) for item in sched.scheduled for _ in range(item.num_tokens)]
+            items = sched.scheduled
+            rows = [item.seq.request.lora_int_id for item in items for _ in range(item.num_tokens)]
             self.lora.prepare(rows, inputs.meta.output_rows)
         if self.cuda_graphs and self.cuda_graphs.can_use(inputs.meta):
             hidden = self.cuda_graphs.forward(inputs.input_ids, inputs.positions, inputs.meta)
@@ -261,11 +262,6 @@ class ModelRunner:
             targets = seq.token_ids[start + 1 : end + 1]
             num = request.params.prompt_logprobs
             out.prompt_logprobs[request.request_id] = compute_prompt_logprobs(logits, targets, num)
-
-
-def _lora_id(item: ScheduledSeq) -> int:
-    lora = item.seq.request.lora_request
-    return 0 if lora is None else lora.lora_int_id
 
 
 def _wants_prompt_logprobs(item: ScheduledSeq) -> bool:
