@@ -87,7 +87,12 @@ def make_llama_with_adapters(root, tokenizer):
             target_modules=["q_proj", "v_proj"],
             alpha_pattern={"v_proj": 2},
         ),  # fmt: skip
-        "mlp": dict(r=2, lora_alpha=4, target_modules=["gate_proj", "down_proj"]),
+        "mlp": dict(
+            r=2,
+            lora_alpha=4,
+            target_modules=["gate_proj", "down_proj"],
+            rank_pattern={"down_proj": 4},
+        ),  # fmt: skip
     }
     adapters = {}
     for seed, (name, spec) in enumerate(specs.items(), start=1):
@@ -200,6 +205,9 @@ def test_max_loras_one_still_serves_every_adapter(llama):
     again = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=loras[1])
     assert _tokens(again) == [adapters[names[1]][1][0]]  # loaded again from its directory
     assert llm.llm_engine.list_loras() == {2}
+    assert llm.llm_engine.remove_lora(2) is True
+    assert llm.llm_engine.list_loras() == set()
+    assert llm.llm_engine.remove_lora(2) is False
     assert_no_leaks(llm)
 
 
@@ -316,3 +324,25 @@ def test_a_quantized_base_keeps_its_layers_under_the_adapter(llama):
     torch.testing.assert_close(layer(x), want)
     layer.batch.set([0, 0, 0], None)
     torch.testing.assert_close(layer(x), layer.base(x))
+
+
+def test_chat_and_beam_search_take_the_adapter(llm, llama):
+    """``chat`` runs its templated prompt with the adapter as ``generate`` does;
+    ``beam_search``'s beams are not the base model's."""
+    from llmserve import BeamSearchParams
+
+    _, adapters, _ = llama
+    lora = _lora(adapters, "all", 1)
+    messages = [{"role": "user", "content": PROMPTS[1]}]
+    ids = llm.get_tokenizer().apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    chat = llm.chat(messages, GREEDY, use_tqdm=False, lora_request=lora)
+    same = llm.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False, lora_request=lora)
+    base = llm.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)
+    assert _tokens(chat) == _tokens(same) != _tokens(base)
+    params = BeamSearchParams(2, 6, ignore_eos=True)
+    beams = llm.beam_search(PROMPTS[:1], params, lora_request=lora)[0].sequences
+    plain = llm.beam_search(PROMPTS[:1], params)[0].sequences
+    assert [b.tokens for b in beams] != [b.tokens for b in plain]
+    assert_no_leaks(llm)
