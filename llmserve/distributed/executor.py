@@ -124,17 +124,18 @@ def build_rank_runner(
     )
     apply_tensor_parallel(model, shard, hf_config.vocab_size, plan.world_size)
     attn = model.layers[0].self_attn
+    cache_dtype = kv_cache.resolve_kv_cache_dtype(config.cache.kv_cache_dtype, dtype, backend)
     spec = kv_cache.KVCacheSpec(
         hf_config.num_hidden_layers,
         plan.max_kv_heads,
         attn.head_dim,
-        dtype,
+        cache_dtype,
         config.cache.block_size,
     )
     block_bytes = spec.bytes_per_block
     if drafter is not None:
         draft_model = load_drafter(drafter, config, max_model_len, dtype, device, backend)
-        draft_spec = kv_spec(draft_model, drafter[1], dtype, config.cache.block_size)
+        draft_spec = kv_spec(draft_model, drafter[1], cache_dtype, config.cache.block_size)
         block_bytes += draft_spec.bytes_per_block
     num_blocks = torch.tensor([kv_cache.kv_cache_budget(config.cache, device) // block_bytes])
     dist.all_reduce(num_blocks, op=dist.ReduceOp.MIN, group=group)  # budgets differ per GPU

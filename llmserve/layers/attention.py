@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from llmserve.kernels import cpu as cpu_kernels
+from llmserve.layers import kv_quant
 from llmserve.layers.attention_metadata import AttentionMetadata
 from llmserve.layers.module import Module
 from llmserve.layers.paged_attention_eager import ScoreOptions, paged_attention_eager
@@ -49,6 +50,8 @@ class Attention(Module):
         self.softcap = softcap or None
         # [num_heads] float32; a plain attribute, so ``model.to(dtype)`` leaves it float32
         self.alibi_slopes = None if alibi_slopes is None else alibi_slopes.float()
+        # a quantized KV pool (--kv-cache-dtype fp8) holds K / k_scale and V / v_scale
+        self.k_scale = self.v_scale = 1.0
 
     def window(self, meta: AttentionMetadata) -> int:
         """The sliding window this step must apply: 0 when it has none or every context of
@@ -68,11 +71,13 @@ class Attention(Module):
 
             kernels.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         else:
-            write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            write_kv(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
         slopes = self.alibi_slopes
         if slopes is not None and slopes.device != q.device:
             slopes = self.alibi_slopes = slopes.to(q.device)
-        opts = ScoreOptions(self.scale, self.sliding_window, self.softcap, slopes)
+        opts = ScoreOptions(
+            self.scale, self.sliding_window, self.softcap, slopes, self.k_scale, self.v_scale
+        )
         return paged_attention_eager(q, k_cache, v_cache, meta, opts)
 
     def forward(
@@ -94,11 +99,11 @@ class Attention(Module):
             if meta.num_decodes == q.shape[0]:  # decodes only (split-K for a small batch)
                 return cpu_kernels.decode_attention(
                     q, k, v, *kv_cache, meta.slot_mapping, plan.decode_tables,
-                    plan.decode_seq_lens, self.scale, window,
+                    plan.decode_seq_lens, self.scale, window, self.k_scale, self.v_scale,
                 )  # fmt: skip
             return cpu_kernels.paged_attention(  # prompt chunks (and decodes) of any length
                 q, k, v, *kv_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens,
-                meta.query_start_loc, self.scale, None, window,
+                meta.query_start_loc, self.scale, None, window, self.k_scale, self.v_scale,
             )  # fmt: skip
         num_tokens = q.shape[0]
         q = q.view(num_tokens, self.num_heads, self.head_dim)
@@ -110,9 +115,11 @@ class Attention(Module):
         elif self.backend == "triton":
             out = self._triton(q, k, v, k_cache, v_cache, meta)
         else:
-            write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            write_kv(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
             assert isinstance(meta.plan, TorchAttentionPlan)
-            out = paged_attention_torch(q, k, v, k_cache, v_cache, meta, meta.plan, self.scale)
+            out = paged_attention_torch(
+                q, k, v, k_cache, v_cache, meta, meta.plan, self.scale, self.k_scale, self.v_scale
+            )
         return out.view(num_tokens, self.num_heads * self.head_dim)
 
     def _triton(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
@@ -146,10 +153,17 @@ def write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Store new keys and values at their slots: ``cache.view(-1, kvh, D)[slot] = k`` (a
-    transposed K pool, kv_cache.allocate, is written through its (block, offset) indices)."""
+    transposed K pool, kv_cache.allocate, is written through its (block, offset) indices), in
+    the pool's dtype (``kv_quant.quantize``: divided by the scale where it is narrower)."""
     kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k = kv_quant.quantize(k, k_cache.dtype, k_scale)
+    v = kv_quant.quantize(v, v_cache.dtype, v_scale)
+    if k_cache.dtype in kv_quant.FP8_DTYPES:  # index_copy_ has no fp8 kernel: copy the bytes
+        k_cache, v_cache, k, v = (t.view(torch.uint8) for t in (k_cache, v_cache, k, v))
     if k_cache.is_contiguous():
         k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
     else:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from llmserve.layers import kv_quant
 from llmserve.layers.attention_metadata import AttentionMetadata
 
 
@@ -29,6 +30,8 @@ class ScoreOptions:
     sliding_window: int | None = None  # a query sees its own and the window - 1 keys before
     softcap: float | None = None  # scores -> softcap * tanh(scores / softcap)
     alibi_slopes: torch.Tensor | None = None  # [num_heads] float32
+    k_scale: float = 1.0  # a quantized pool's scales (layers/kv_quant.py)
+    v_scale: float = 1.0
 
 
 def _context_start(first_query_pos: int, window: int | None, block_size: int) -> int:
@@ -95,6 +98,8 @@ def paged_attention_eager(
         table = meta.block_tables[i]
         ki = _gather_context(k_cache, table, first, ctx)  # [ctx - first, kvh, D]
         vi = _gather_context(v_cache, table, first, ctx)
+        ki = kv_quant.dequantize(ki, q.dtype, opts.k_scale)
+        vi = kv_quant.dequantize(vi, q.dtype, opts.v_scale)
         q_pos = torch.arange(ctx - q_len, ctx, device=q.device)
         k_pos = torch.arange(first, ctx, device=q.device)
         out[rows] = attend_eager(q[rows], ki, vi, q_pos, k_pos, opts)

@@ -34,6 +34,7 @@ import torch
 from torch.nn import functional as F
 
 from llmserve.kernels import cpu as cpu_kernels
+from llmserve.layers import kv_quant
 from llmserve.layers.attention_metadata import AttentionMetadata
 
 TILE_BYTES_PER_THREAD = 2 << 20  # gathered K + V per decode tile, per thread: about one L2
@@ -168,18 +169,15 @@ def _decode(
     plan: TorchAttentionPlan,
     scale: float,
     out: torch.Tensor,
+    kv_scales: tuple[float, float],
 ) -> None:
     """q ``[num_decodes, H, D]`` -> ``out [num_decodes, H, D]``, one tile at a time."""
+    k_scale, v_scale = kv_scales
     if plan.native_decode:  # in place through the block tables, no gathered copy
         cpu_kernels.paged_decode_attention(
-            q.contiguous(),
-            k_cache,
-            v_cache,
-            plan.decode_tables,
-            plan.decode_seq_lens,
-            scale,
-            out,
-        )
+            q.contiguous(), k_cache, v_cache, plan.decode_tables, plan.decode_seq_lens, scale,
+            out, 0, k_scale, v_scale,
+        )  # fmt: skip
         return
     if plan.tiles is None:
         _prepare_decode(plan, k_cache)
@@ -192,6 +190,8 @@ def _decode(
         tables = plan.decode_tables[rows, : tile.num_blocks]  # [n, nb]
         k = _gather_kv(k_cache, tables, plan.buffers[0])  # [n, kvh, nb * bs, D]
         v = _gather_kv(v_cache, tables, plan.buffers[1])
+        k = kv_quant.dequantize(k, q.dtype, k_scale)
+        v = kv_quant.dequantize(v, q.dtype, v_scale)
         if tile.seq_len is not None:
             k, v, mask = k[:, :, : tile.seq_len], v[:, :, : tile.seq_len], None
         else:
@@ -210,6 +210,7 @@ def _prefill(
     plan: TorchAttentionPlan,
     scale: float,
     out: torch.Tensor,
+    kv_scales: tuple[float, float],
 ) -> None:
     """Each prompt chunk attends on its own, so nothing is padded to the longest chunk. A
     chunk with no cached context before it attends over this step's K/V with SDPA's causal
@@ -232,6 +233,8 @@ def _prefill(
             ctx = mask.shape[1]
             ki = _gather_kv(k_cache, table[None])[:, :, :ctx]  # [1, kvh, ctx, D]
             vi = _gather_kv(v_cache, table[None])[:, :, :ctx]
+            ki = kv_quant.dequantize(ki, q.dtype, kv_scales[0])
+            vi = kv_quant.dequantize(vi, q.dtype, kv_scales[1])
             o = F.scaled_dot_product_attention(
                 qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True
             )
@@ -247,13 +250,16 @@ def paged_attention_torch(
     meta: AttentionMetadata,
     plan: TorchAttentionPlan,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """q ``[num_tokens, H, D]``, this step's k/v ``[num_tokens, kvh, D]`` (already written to
-    the pool too) -> ``[num_tokens, H, D]``."""
+    the pool too) -> ``[num_tokens, H, D]``. A pool narrower than q's dtype is read back
+    times ``k_scale`` / ``v_scale`` (layers/kv_quant.py)."""
     out = torch.empty_like(q)
-    nd = meta.num_decodes
+    nd, scales = meta.num_decodes, (k_scale, v_scale)
     if nd:
-        _decode(q[:nd], k_cache, v_cache, plan, scale, out[:nd])
+        _decode(q[:nd], k_cache, v_cache, plan, scale, out[:nd], scales)
     if meta.num_seqs > nd:
-        _prefill(q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta, plan, scale, out[nd:])
+        _prefill(q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta, plan, scale, out[nd:], scales)
     return out

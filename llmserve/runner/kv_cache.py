@@ -1,6 +1,15 @@
 """Sizing and allocating the paged KV cache, and the arithmetic the engine prints.
 
 Memory per token = 2 (K and V) x bytes per value x layers x kv_heads x head_dim.
+
+``--kv-cache-dtype`` picks the bytes per value: the model's dtype (auto), bfloat16, or one byte
+of fp8 (e4m3: 3 mantissa bits, up to 448; e5m2: 2 bits, up to 57344). A quantized pool holds
+K / k_scale and V / v_scale (each attention layer's ``k_scale`` / ``v_scale``, 1.0 unless
+set), rounded to nearest even and saturated at the format's largest value; the attention
+kernels widen it back to fp32 as they read (kernels/cpu/fp8.h; layers/kv_quant.py on the
+torch paths). The step's own new K/V are written rounded too, and every read sees the rounded
+values, except a prompt's first chunk attended as a whole (its K/V straight from the
+projections, as vLLM's prefill does).
 """
 
 from __future__ import annotations
@@ -40,6 +49,36 @@ class KVCacheSpec:
         return self.bytes_per_token * self.block_size
 
 
+_KV_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+
+
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, backend: str) -> torch.dtype:
+    """``--kv-cache-dtype`` as a torch dtype for a model computing in ``model_dtype``."""
+    if name == "auto":
+        return model_dtype
+    if name not in _KV_DTYPES:
+        raise ValueError(f"--kv-cache-dtype {name!r} is not one of auto, {', '.join(_KV_DTYPES)}")
+    dtype = _KV_DTYPES[name]
+    if dtype == model_dtype:
+        return dtype
+    if backend == "triton":
+        raise ValueError(
+            f"--kv-cache-dtype {name} runs on the cpp and torch attention backends; the Triton "
+            "kernels read the model's dtype only: use --attention-backend torch"
+        )
+    if dtype == torch.bfloat16 and model_dtype != torch.float32:
+        raise ValueError(
+            f"--kv-cache-dtype bfloat16 narrows an fp32 model's cache; this model runs in "
+            f"{model_dtype} (use auto, fp8 or fp8_e5m2)"
+        )
+    return dtype
+
+
 def kv_cache_budget(cache: CacheConfig, device: torch.device) -> int:
     """Bytes the KV cache may take on ``device`` (weights already loaded)."""
     if cache.kv_cache_memory is not None:
@@ -58,7 +97,8 @@ def describe(spec: KVCacheSpec, num_blocks: int, max_model_len: int) -> str:
     per_token = spec.bytes_per_token
     per_seq = per_token * max_model_len
     return (
-        f"KV cache: {per_token} B/token (2 x {torch.empty((), dtype=spec.dtype).element_size()} B x "
+        f"KV cache ({str(spec.dtype).removeprefix('torch.')}): {per_token} B/token "
+        f"(2 x {torch.empty((), dtype=spec.dtype).element_size()} B x "
         f"{spec.num_layers} layers x {spec.num_kv_heads} kv heads x {spec.head_dim} head_dim); "
         f"{num_blocks} blocks x {spec.block_size} tokens = {tokens} tokens "
         f"({num_blocks * spec.bytes_per_block / GIB:.2f} GiB); one {max_model_len}-token sequence needs "

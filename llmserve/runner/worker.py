@@ -162,12 +162,13 @@ def create_runner(
     dtype = resolve_dtype(config.model.dtype, device)
     backend = resolve_attention_backend(config.device.attention_backend, device, dtype)
     model = load_model(resolved, hf_config, config, max_model_len, dtype, device, backend)
-    spec = kv_spec(model, hf_config, dtype, config.cache.block_size)
+    cache_dtype = kv_cache.resolve_kv_cache_dtype(config.cache.kv_cache_dtype, dtype, backend)
+    spec = kv_spec(model, hf_config, cache_dtype, config.cache.block_size)
     bytes_per_block = spec.bytes_per_block
     shared = drafter is not None and config.speculative.model is None  # the target, quantized
     if drafter is not None:  # its pool has as many blocks, read through the same tables
         draft_model = load_drafter(drafter, config, max_model_len, dtype, device, backend)
-        draft_spec = kv_spec(draft_model, drafter[1], dtype, config.cache.block_size)
+        draft_spec = kv_spec(draft_model, drafter[1], cache_dtype, config.cache.block_size)
         if not shared:
             bytes_per_block += draft_spec.bytes_per_block
     num_blocks = kv_cache.kv_cache_budget(config.cache, device) // bytes_per_block

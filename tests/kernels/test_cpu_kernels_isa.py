@@ -222,11 +222,17 @@ def test_kv_write_rejects_bad_slots_and_dtypes():
 
 
 def test_paged_decode_rejects_mixed_dtypes():
-    batch = make_paged_batch([1], [5], 4, 2, 64, 8, torch.bfloat16)
-    with pytest.raises(RuntimeError, match="all float32 or all bfloat16"):
-        cpu_kernels.paged_decode_attention(
-            batch.q.float(), batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, 0.1
-        )
+    """q and out share a dtype; the caches are q's, or narrower (bf16 under fp32, fp8), never
+    wider (tests/kernels/test_kv_cache_dtype.py has the narrower ones)."""
+    batch = make_paged_batch([1], [5], 4, 2, 64, 8, torch.float32)
+    tail = (batch.block_tables, batch.seq_lens, 0.1)
+    with pytest.raises(RuntimeError, match="must be in q's dtype, bfloat16, float8_e4m3fn"):
+        cpu_kernels.paged_decode_attention(batch.q.bfloat16(), batch.k_cache, batch.v_cache, *tail)
+    with pytest.raises(RuntimeError, match="q and out both float32 or both bfloat16"):
+        out = torch.empty_like(batch.q, dtype=torch.bfloat16)
+        cpu_kernels.paged_decode_attention(batch.q, batch.k_cache, batch.v_cache, *tail, out)
+    with pytest.raises(RuntimeError, match="k_cache and v_cache dtypes differ"):
+        cpu_kernels.paged_decode_attention(batch.q, batch.k_cache, batch.v_cache.bfloat16(), *tail)
 
 
 def _bf16_exact(*shape: int, scale: float = 1.0) -> torch.Tensor:

@@ -83,6 +83,7 @@ LIBRARY = NativeLibrary(
             "kernels_ops.h",
             "bindings.h",
             "vec.h",
+            "fp8.h",
             "isa.h",
             "parallel.h",
             "per_isa.h",
@@ -168,15 +169,18 @@ def paged_decode_attention(
     scale: float,
     out: torch.Tensor | None = None,
     window: int = 0,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """q ``[n, H, D]``, caches ``[blocks, block_size, kvh, D]`` (all fp32 or all bf16),
-    ``block_tables [n, >= ceil(len / block_size)]`` int32, ``seq_lens [n]`` int32 ->
-    ``[n, H, D]`` in q's dtype (fp32 arithmetic). ``window`` > 0: a sliding window, the query
-    (at position len - 1) sees the last ``window`` tokens only."""
+    """q ``[n, H, D]`` (fp32 or bf16), caches ``[blocks, block_size, kvh, D]`` (q's dtype,
+    bf16, or fp8 e4m3fn / e5m2 holding K / k_scale and V / v_scale), ``block_tables [n, >=
+    ceil(len / block_size)]`` int32, ``seq_lens [n]`` int32 -> ``[n, H, D]`` in q's dtype
+    (fp32 arithmetic). ``window`` > 0: a sliding window, the query (at position len - 1) sees
+    the last ``window`` tokens only."""
     if out is None:
         out = torch.empty_like(q)
     _direct().paged_decode_attention(
-        q, k_cache, v_cache, block_tables, seq_lens, scale, out, window
+        q, k_cache, v_cache, block_tables, seq_lens, scale, out, window, k_scale, v_scale
     )
     return out
 
@@ -192,13 +196,17 @@ def decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     window: int = 0,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """A step of decodes in one call: ``k, v [T, kvh * D]`` written at ``slot_mapping``, then
-    ``q [T, H * D]`` attends over each sequence's blocks (its last ``window`` tokens if
+    """A step of decodes in one call: ``k, v [T, kvh * D]`` written at ``slot_mapping`` (as
+    ``k / k_scale`` and ``v / v_scale`` rounded to the pool's dtype where it is narrower),
+    then ``q [T, H * D]`` attends over each sequence's blocks (its last ``window`` tokens if
     ``window`` > 0) -> ``[T, H * D]``."""
     return _direct().decode_attention(
-        q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, scale, window
-    )
+        q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, scale, window,
+        k_scale, v_scale,
+    )  # fmt: skip
 
 
 def paged_attention(
@@ -214,6 +222,8 @@ def paged_attention(
     scale: float,
     sdpa_min_rows: int | None = None,
     window: int = 0,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Any step (prompt chunks and decodes) in one call: ``k, v [T, kvh * D]`` written at
     ``slot_mapping``, then sequence s's query rows ``q[query_start_loc[s]:query_start_loc[s +
@@ -223,12 +233,12 @@ def paged_attention(
     ``sdpa_min_rows`` rows (0: none; None: ``prompt_sdpa_min_rows`` for q's dtype) is attended
     by torch's SDPA instead of this library's kernel (not when it outgrows ``window``).
     ``window`` > 0: a sliding window, the row at position p sees tokens ``[p - window + 1,
-    p]`` only."""
+    p]`` only. The pools' dtypes and ``k_scale`` / ``v_scale`` as ``decode_attention``'s."""
     if sdpa_min_rows is None:
         sdpa_min_rows = prompt_sdpa_min_rows(q.dtype)
     return _direct().paged_attention(
         q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale,
-        sdpa_min_rows, window,
+        sdpa_min_rows, window, k_scale, v_scale,
     )  # fmt: skip
 
 

@@ -1,7 +1,8 @@
 // The scores of a paged attention step, included by paged_attention_impl.h (so once per ISA,
 // inside a namespace that defines ``Vec``, vec.h): the query loaded into a thread's scratch
 // (load_query), and q . k for the query heads of one KV head over a block, on either K layout
-// (dots, dots_t, dots_t2, dots_t_dpbf16, chosen by block_scores). T: float, or uint16_t holding bf16.
+// (dots, dots_t, dots_t2, dots_t_dpbf16, chosen by block_scores). T: the cache's element type,
+// float, uint16_t holding bf16, or fp8 (fp8.h).
 // (No include guard: this file is meant to be included several times.)
 
 #include "prefetch_impl.h"  // asking for the next block ahead of its use: prefetch, Ahead
@@ -329,8 +330,8 @@ inline void block_scores(const Shape& sh, const Scratch& w, int64_t h, int64_t g
 
 // Query head h's row src (D elements) into the scratch: w.q = scale * q as fp32, in the order
 // the score kernel reads it (chunk order for the [token][d] K layout, natural for the
-// transposed one), and for vdpbf16ps w.qw, q's bf16 pairs.
-template <typename T>
+// transposed one; the chunk order is cache type K's), and for vdpbf16ps w.qw, q's bf16 pairs.
+template <typename K, typename T>
 inline void load_query(const Shape& sh, const T* src, int64_t h, Scratch& w) {
   const int64_t D = sh.head_dim;
   int64_t d = 0;
@@ -340,7 +341,7 @@ inline void load_query(const Shape& sh, const T* src, int64_t h, Scratch& w) {
       Vec::mul(scale, Vec::load(src + d)).store(&w.q[h * D + d]);
     }
   }
-  for (; d < D; ++d) w.q[h * D + (sh.k_t ? d : slot<T>(d, D))] = sh.scale * to_f32(src[d]);
+  for (; d < D; ++d) w.q[h * D + (sh.k_t ? d : slot<K>(d, D))] = sh.scale * to_f32(src[d]);
   if constexpr (std::is_same<T, uint16_t>::value) {
     if (sh.dp_bf16) {
       for (int64_t p = 0; p < D / 2; ++p) {

@@ -65,7 +65,8 @@ TORCH_LIBRARY(llmserve_cpu, m) {
 
   m.def(
       "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-      "Tensor seq_lens, float scale, Tensor(a!) out, int window=0) -> ()");
+      "Tensor seq_lens, float scale, Tensor(a!) out, int window=0, float k_scale=1.0, "
+      "float v_scale=1.0) -> ()");
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, &attention::paged_decode_attention);
   m.def("set_isa(str name) -> str", &attention::set_isa);
 

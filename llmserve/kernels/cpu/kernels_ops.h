@@ -29,16 +29,18 @@ namespace llmserve::attention {  // paged_attention.cpp
 void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables,
                             const at::Tensor& seq_lens, double scale, at::Tensor& out,
-                            int64_t window);
+                            int64_t window, double k_scale, double v_scale);
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             at::Tensor& k_cache, at::Tensor& v_cache,
                             const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                            const at::Tensor& seq_lens, double scale, int64_t window);
+                            const at::Tensor& seq_lens, double scale, int64_t window,
+                            double k_scale, double v_scale);
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            at::Tensor& k_cache, at::Tensor& v_cache,
                            const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                            const at::Tensor& seq_lens, const at::Tensor& query_start,
-                           double scale, int64_t sdpa_min_rows, int64_t window);
+                           double scale, int64_t sdpa_min_rows, int64_t window, double k_scale,
+                           double v_scale);
 std::string set_isa(const std::string& name);
 }  // namespace llmserve::attention
 

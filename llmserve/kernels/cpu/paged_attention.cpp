@@ -79,14 +79,20 @@ struct Shape {
   bool k_t = false;
   // bf16 scores by vdpbf16ps (AVX512_BF16 chosen, K transposed, head_dim even)
   bool dp_bf16 = false;
-  float scale = 1.f;  // softmax scale of the scores
+  float scale = 1.f;    // softmax scale of the scores, times a quantized cache's k_scale
+  float v_scale = 1.f;  // a quantized cache's v_scale, applied to each output row
 };
 
-// The batch as raw pointers, after its tensors were checked; q, caches and out share a dtype.
+// The caches' element type against q's (--kv-cache-dtype): the same, bf16 under fp32 q, or fp8
+enum class KvType { kSame, kBf16, kE4m3, kE5m2 };
+
+// The batch as raw pointers, after its tensors were checked; q and out share a dtype, the
+// caches have theirs (kv).
 struct Batch {
   Shape sh;
   int64_t num_seqs, max_blocks;
-  bool is_bf16;
+  bool is_bf16;  // q and out
+  KvType kv = KvType::kSame;
   int64_t q_stride;  // elements from one token's query row to the next (>= num_heads * D)
   const void *q, *k_cache, *v_cache;
   const int32_t *tables, *lens;  // tables: [num_seqs, max_blocks], lens: [num_seqs]
@@ -148,13 +154,29 @@ inline bool rows_apart(int64_t rows, int64_t row_stride, int64_t row_len) {
   return rows <= 1 || row_stride >= row_len;
 }
 
+// The caches' element type for q of dtype q_dtype (fails on a pair the kernels do not take)
+KvType kv_type(const char* op, at::ScalarType q_dtype, const at::Tensor& k_cache,
+               const at::Tensor& v_cache) {
+  const auto kv = k_cache.scalar_type();
+  TORCH_CHECK(v_cache.scalar_type() == kv, op, ": k_cache and v_cache dtypes differ");
+  if (kv == q_dtype) return KvType::kSame;
+  if (kv == at::kBFloat16) return KvType::kBf16;  // under fp32 q
+  if (kv == at::kFloat8_e4m3fn) return KvType::kE4m3;
+  if (kv == at::kFloat8_e5m2) return KvType::kE5m2;
+  TORCH_CHECK(false, op, ": the K/V pools must be in q's dtype, bfloat16, float8_e4m3fn or "
+              "float8_e5m2 (got ", kv, " for ", q_dtype, " q)");
+  return KvType::kSame;
+}
+
 Batch check_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                    const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-                   at::Tensor& out, int64_t window) {
+                   at::Tensor& out, int64_t window, double k_scale, double v_scale) {
   const auto dtype = q.scalar_type();
-  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && k_cache.scalar_type() == dtype &&
-                  v_cache.scalar_type() == dtype && out.scalar_type() == dtype,
-              "paged_decode_attention (CPU) takes q, caches and out all float32 or all bfloat16");
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && out.scalar_type() == dtype,
+              "paged_decode_attention (CPU) takes q and out both float32 or both bfloat16");
+  const KvType kv = kv_type("paged_decode_attention", dtype, k_cache, v_cache);
+  TORCH_CHECK(k_scale > 0 && v_scale > 0, "k_scale and v_scale must be positive, got ", k_scale,
+              " and ", v_scale);
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
               "block_tables and seq_lens must be int32");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && block_tables.dim() == 2 && out.sizes() == q.sizes(),
@@ -178,9 +200,11 @@ Batch check_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
   b.sh.group = b.sh.num_heads / b.sh.kv_heads;
   b.sh.row = b.sh.kv_heads * b.sh.head_dim;
   b.sh.k_t = !k_cache.is_contiguous();
-  b.sh.dp_bf16 = b.sh.k_t && dtype == at::kBFloat16 && b.sh.head_dim % 2 == 0 &&
-                 llmserve::current_isa() == llmserve::Isa::kAvx512Bf16;
-  b.sh.scale = static_cast<float>(scale);
+  b.sh.dp_bf16 = b.sh.k_t && dtype == at::kBFloat16 && kv == KvType::kSame &&
+                 b.sh.head_dim % 2 == 0 && llmserve::current_isa() == llmserve::Isa::kAvx512Bf16;
+  b.sh.scale = static_cast<float>(scale * k_scale);
+  b.sh.v_scale = static_cast<float>(v_scale);
+  b.kv = kv;
   TORCH_CHECK(window >= 0, "window must be 0 (none) or a sliding window's length, got ", window);
   b.window = window;
   b.num_seqs = seq_lens.numel();
@@ -219,8 +243,9 @@ int64_t num_chunks(const Batch& b) {
 void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables,
                             const at::Tensor& seq_lens, double scale, at::Tensor& out,
-                            int64_t window) {
-  Batch b = check_inputs(q, k_cache, v_cache, block_tables, seq_lens, scale, out, window);
+                            int64_t window, double k_scale, double v_scale) {
+  Batch b = check_inputs(q, k_cache, v_cache, block_tables, seq_lens, scale, out, window,
+                         k_scale, v_scale);
   TORCH_CHECK(q.size(0) == b.num_seqs, "paged_decode_attention: one query row per sequence");
   if (b.num_seqs == 0) return;
   const int64_t chunks = num_chunks(b);
@@ -229,38 +254,64 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
 
 // k or v rows [T, kvh * D] (rows may be strided, unit column stride) at their slots of a
 // [blocks, block_size, kvh, D] pool, or of a transposed K pool (element j = h * D + d of a
-// token at block[h][d][offset]); the rows must be in the pool's dtype.
+// token at block[h][d][offset]). Rows in the pool's dtype are copied; fp32 or bf16 rows into a
+// narrower pool (bf16, fp8) are divided by ``scale`` and rounded to nearest even (fp8
+// saturating at its largest finite value, fp8.h).
 void write_rows(const char* op, const char* name, const at::Tensor& x, at::Tensor& cache,
-                const at::Tensor& slot_mapping) {
+                const at::Tensor& slot_mapping, double scale) {
   const int64_t bs = cache.size(1), row = cache.size(2) * cache.size(3);
+  const auto kv = cache.scalar_type();
+  const bool narrower = kv == at::kFloat8_e4m3fn || kv == at::kFloat8_e5m2 ||
+                        (kv == at::kBFloat16 && x.scalar_type() == at::kFloat);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == row && x.stride(1) == 1 &&
-                  x.scalar_type() == cache.scalar_type(),
-              op, ": ", name, " must be [T, kvh * D] with contiguous rows, in the cache's dtype");
+                  (x.scalar_type() == kv || narrower) &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              op, ": ", name, " must be [T, kvh * D] with contiguous rows, in the cache's dtype "
+              "(or float32 / bfloat16 rows into a narrower cache)");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
                   slot_mapping.numel() == x.size(0),
               op, ": slot_mapping must be int64 [T]");
-  TORCH_CHECK(cache.element_size() == 4 || cache.element_size() == 2,
-              op, ": the K/V pools must be float32 or bfloat16");
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   const int64_t capacity = cache.size(0) * bs, tokens = x.size(0), stride = x.stride(0);
   const bool transposed = !cache.is_contiguous();  // keys_transposed, checked by the caller
-  auto scatter = [&](auto* dst_pool, const auto* src_rows) {
+  const float inv = static_cast<float>(1.0 / scale);
+  auto scatter = [&](auto* dst_pool, const auto* src_rows, auto put) {
     for (int64_t t = 0; t < tokens; ++t) {
       TORCH_CHECK(slots[t] >= 0 && slots[t] < capacity, op, ": slot_mapping[", t, "] = ",
                   slots[t], " is outside the pool's ", capacity, " slots");
       const auto* src = src_rows + t * stride;
       if (transposed) {
         auto* dst = dst_pool + slots[t] / bs * bs * row + slots[t] % bs;
-        for (int64_t j = 0; j < row; ++j) dst[j * bs] = src[j];
+        for (int64_t j = 0; j < row; ++j) put(dst + j * bs, src[j]);
       } else {
-        std::copy(src, src + row, dst_pool + slots[t] * row);
+        auto* dst = dst_pool + slots[t] * row;
+        for (int64_t j = 0; j < row; ++j) put(dst + j, src[j]);
       }
     }
   };
-  if (cache.element_size() == 4) {
-    scatter(static_cast<uint32_t*>(cache.data_ptr()), static_cast<const uint32_t*>(x.data_ptr()));
+  auto copy = [](auto* dst, auto x) { *dst = x; };
+  auto into = [&](auto* pool) {  // rows of x's dtype, converted (and scaled) into pool's
+    auto convert = [&](auto* dst, auto x) { put_f32(dst, to_f32(x) * inv); };
+    if (x.scalar_type() == at::kFloat) {
+      scatter(pool, x.data_ptr<float>(), convert);
+    } else {
+      scatter(pool, static_cast<const uint16_t*>(x.data_ptr()), convert);
+    }
+  };
+  if (kv == x.scalar_type() && scale == 1.0) {  // bit copies
+    if (cache.element_size() == 4) {
+      scatter(static_cast<uint32_t*>(cache.data_ptr()), static_cast<const uint32_t*>(x.data_ptr()), copy);
+    } else {
+      scatter(static_cast<uint16_t*>(cache.data_ptr()), static_cast<const uint16_t*>(x.data_ptr()), copy);
+    }
+  } else if (kv == at::kFloat8_e4m3fn) {
+    into(static_cast<fp8_e4m3*>(cache.data_ptr()));
+  } else if (kv == at::kFloat8_e5m2) {
+    into(static_cast<fp8_e5m2*>(cache.data_ptr()));
+  } else if (kv == at::kBFloat16) {
+    into(static_cast<uint16_t*>(cache.data_ptr()));
   } else {
-    scatter(static_cast<uint16_t*>(cache.data_ptr()), static_cast<const uint16_t*>(x.data_ptr()));
+    into(static_cast<float*>(cache.data_ptr()));  // fp32 rows scaled into an fp32 pool
   }
 }
 
@@ -268,15 +319,16 @@ void write_rows(const char* op, const char* name, const at::Tensor& x, at::Tenso
 // returns q [T, H * D] as [T, H, D] (a view when its rows only are strided)
 at::Tensor write_kv_and_split_heads(const char* op, const at::Tensor& q, const at::Tensor& k,
                                     const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
-                                    const at::Tensor& slot_mapping) {
+                                    const at::Tensor& slot_mapping, double k_scale,
+                                    double v_scale) {
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4 && v_cache.is_contiguous() &&
                   (k_cache.is_contiguous() || keys_transposed(k_cache)),
               op, ": k_cache and v_cache must be [blocks, block_size, kvh, D] pools (K may be "
               "the transposed view that kv_cache.allocate makes)");
   const int64_t tokens = q.size(0), head_dim = k_cache.size(3);
   TORCH_CHECK(q.dim() == 2 && q.size(1) % head_dim == 0, op, ": q must be [T, H * D]");
-  write_rows(op, "k", k, k_cache, slot_mapping);
-  write_rows(op, "v", v, v_cache, slot_mapping);
+  write_rows(op, "k", k, k_cache, slot_mapping, k_scale);
+  write_rows(op, "v", v, v_cache, slot_mapping, v_scale);
   const bool in_place = q.stride(1) == 1 && rows_apart(tokens, q.stride(0), q.size(1));
   return (in_place ? q : q.contiguous()).view({tokens, q.size(1) / head_dim, head_dim});
 }
@@ -287,11 +339,12 @@ at::Tensor write_kv_and_split_heads(const char* op, const at::Tensor& q, const a
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping,
                             const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                            double scale, int64_t window) {
-  const at::Tensor q3 =
-      write_kv_and_split_heads("decode_attention", q, k, v, k_cache, v_cache, slot_mapping);
+                            double scale, int64_t window, double k_scale, double v_scale) {
+  const at::Tensor q3 = write_kv_and_split_heads("decode_attention", q, k, v, k_cache, v_cache,
+                                                 slot_mapping, k_scale, v_scale);
   at::Tensor out = at::empty({q3.size(0), q3.size(1), q3.size(2)}, q3.options());
-  paged_decode_attention(q3, k_cache, v_cache, block_tables, seq_lens, scale, out, window);
+  paged_decode_attention(q3, k_cache, v_cache, block_tables, seq_lens, scale, out, window,
+                         k_scale, v_scale);
   return out.view({q.size(0), q.size(1)});
 }
 
@@ -329,12 +382,14 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
                            at::Tensor& k_cache, at::Tensor& v_cache,
                            const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                            const at::Tensor& seq_lens, const at::Tensor& query_start,
-                           double scale, int64_t sdpa_min_rows, int64_t window) {
-  const at::Tensor q3 =
-      write_kv_and_split_heads("paged_attention", q, k, v, k_cache, v_cache, slot_mapping);
+                           double scale, int64_t sdpa_min_rows, int64_t window, double k_scale,
+                           double v_scale) {
+  const at::Tensor q3 = write_kv_and_split_heads("paged_attention", q, k, v, k_cache, v_cache,
+                                                 slot_mapping, k_scale, v_scale);
   const int64_t tokens = q.size(0);
   at::Tensor out = at::empty({q3.size(0), q3.size(1), q3.size(2)}, q3.options());
-  Batch b = check_inputs(q3, k_cache, v_cache, block_tables, seq_lens, scale, out, window);
+  Batch b = check_inputs(q3, k_cache, v_cache, block_tables, seq_lens, scale, out, window,
+                         k_scale, v_scale);
   TORCH_CHECK(query_start.scalar_type() == at::kInt && query_start.is_contiguous() &&
                   query_start.numel() == b.num_seqs + 1,
               "paged_attention: query_start must be int32 [num_seqs + 1]");

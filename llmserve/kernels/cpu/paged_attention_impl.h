@@ -1,6 +1,7 @@
 // The paged attention bodies, included by paged_attention.cpp once per ISA inside a
-// namespace that defines ``Vec`` (vec.h); T is the element type of q, the caches and out:
-// float, or uint16_t holding bf16. Arithmetic is fp32 throughout. This file holds the work
+// namespace that defines ``Vec`` (vec.h); T is the element type of q and out (float, or
+// uint16_t holding bf16), K the caches' (T, bf16 under fp32, or fp8: fp8.h). Arithmetic is
+// fp32 throughout; a quantized cache's scales are in Shape (scale, v_scale). This file holds the work
 // items (a sequence, a chunk of one for split-K, a few prompt rows) and how the threads share
 // them; one item's attention is attend_chunk (attention_chunk_impl.h), its scores
 // attention_scores_impl.h. (No include guards: included several times.)
@@ -8,22 +9,26 @@
 #include "attention_scores_impl.h"  // prefetch, Ahead, load_query, block_scores
 #include "attention_chunk_impl.h"   // the online softmax over blocks: attend_chunk
 
-// one sequence's query [num_heads, D] into the scratch (load_query)
-template <typename T>
+// one sequence's query [num_heads, D] into the scratch (load_query, in cache type K's order)
+template <typename K, typename T>
 inline void scaled_query(const Shape& sh, const T* q, Scratch& w) {
-  for (int64_t h = 0; h < sh.num_heads; ++h) load_query(sh, q + h * sh.head_dim, h, w);
+  for (int64_t h = 0; h < sh.num_heads; ++h) load_query<K>(sh, q + h * sh.head_dim, h, w);
 }
 
-// out[d] = acc[slot(d)] * inv, stored as T
-template <typename T>
+// out[d] = acc[slot<K>(d)] * inv, stored as T: acc is in the order cache type K's V rows load
+// in (slot), which store2 undoes when T pairs its elements the same way (T == K, or both in
+// order); otherwise element by element (an fp8 or bf16 cache under other q and out).
+template <typename K, typename T>
 inline void store_scaled(T* out, const float* acc, float inv, int64_t D) {
   constexpr int64_t W = Vec::W;
-  const Vec iv = Vec::set1(inv);
   int64_t d = 0;
-  for (; d + C <= D; d += C) {
-    Vec::store2(out + d, Vec::mul(Vec::load(acc + d), iv), Vec::mul(Vec::load(acc + d + W), iv));
+  if constexpr (std::is_same<T, uint16_t>::value == std::is_same<K, uint16_t>::value) {
+    const Vec iv = Vec::set1(inv);
+    for (; d + C <= D; d += C) {
+      Vec::store2(out + d, Vec::mul(Vec::load(acc + d), iv), Vec::mul(Vec::load(acc + d + W), iv));
+    }
   }
-  for (; d < D; ++d) put_f32(out + d, acc[d] * inv);
+  for (; d < D; ++d) put_f32(out + d, acc[slot<K>(d, D)] * inv);
 }
 
 // Every head's first visible token = first (a sliding window's) in w.lower; null when that
@@ -36,7 +41,7 @@ inline const int64_t* same_lower(Scratch& w, int64_t first, int64_t t0) {
 
 // One work item per sequence, taken by the threads as they come free: out_h = acc_h / l_h.
 // A sliding window starts the walk at the block of its first token.
-template <typename T>
+template <typename T, typename K>
 void attend_per_sequence(const Batch& b) {
   const int64_t H = b.sh.num_heads, D = b.sh.head_dim, bs = b.sh.block_size;
   const T* q = static_cast<const T*>(b.q);
@@ -45,12 +50,12 @@ void attend_per_sequence(const Batch& b) {
   ::llmserve::parallel_take(b.num_seqs, 1, scratch, [&](Scratch& w, int64_t begin, int64_t end) {
     for (int64_t s = begin; s < end; ++s) {
       const int64_t first = window_start(b, b.lens[s] - 1), t0 = first / bs * bs;
-      scaled_query(b.sh, q + s * b.q_stride, w);
-      attend_chunk(b.sh, static_cast<const T*>(b.k_cache),
-                   static_cast<const T*>(b.v_cache), b.tables + s * b.max_blocks, t0, b.lens[s], w,
+      scaled_query<K>(b.sh, q + s * b.q_stride, w);
+      attend_chunk(b.sh, static_cast<const K*>(b.k_cache),
+                   static_cast<const K*>(b.v_cache), b.tables + s * b.max_blocks, t0, b.lens[s], w,
                    w.acc.data(), w.m.data(), w.l.data(), nullptr, same_lower(w, first, t0));
       for (int64_t h = 0; h < H; ++h) {
-        store_scaled(out + (s * H + h) * D, w.acc.data() + h * D, 1.f / w.l[h], D);
+        store_scaled<K>(out + (s * H + h) * D, w.acc.data() + h * D, b.sh.v_scale / w.l[h], D);
       }
     }
   });
@@ -60,7 +65,7 @@ void attend_per_sequence(const Batch& b) {
 // of its table (counted from the block of a sliding window's first token); each chunk leaves
 // (m, l, acc), then one reduction per (sequence, head) rescales them to the common maximum M:
 //   out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c.
-template <typename T>
+template <typename T, typename K>
 void attend_split(const Batch& b, int64_t chunks) {
   const int64_t H = b.sh.num_heads, D = b.sh.head_dim, bs = b.sh.block_size;
   const int64_t items = b.num_seqs * chunks;
@@ -81,9 +86,9 @@ void attend_split(const Batch& b, int64_t chunks) {
         std::fill(l, l + H, 0.f);
         continue;
       }
-      scaled_query(b.sh, q + s * b.q_stride, w);
-      attend_chunk(b.sh, static_cast<const T*>(b.k_cache),
-                   static_cast<const T*>(b.v_cache), b.tables + s * b.max_blocks, t0, t1, w,
+      scaled_query<K>(b.sh, q + s * b.q_stride, w);
+      attend_chunk(b.sh, static_cast<const K*>(b.k_cache),
+                   static_cast<const K*>(b.v_cache), b.tables + s * b.max_blocks, t0, t1, w,
                    part_acc.data() + item * H * D, m, l, nullptr, same_lower(w, first, t0));
     }
   });
@@ -104,7 +109,7 @@ void attend_split(const Batch& b, int64_t chunks) {
         const float* a = part_acc.data() + (item * H + h) * D;
         for (int64_t d = 0; d < D; ++d) o[d] += wt * a[d];
       }
-      store_scaled(out + pair * D, o.data(), 1.f / total, D);
+      store_scaled<K>(out + pair * D, o.data(), b.sh.v_scale / total, D);
     }
   });
 }
@@ -129,7 +134,7 @@ inline int64_t item_rows(int64_t num_heads) {
   return std::clamp(kItemHeads / num_heads, kMinRows, kRows);
 }
 
-template <typename T>
+template <typename T, typename K>
 void attend_varlen(const Batch& b, const int32_t* query_start) {
   const int64_t H = b.sh.num_heads, D = b.sh.head_dim, G = b.sh.group, bs = b.sh.block_size;
   const int64_t per_item = item_rows(H);
@@ -175,21 +180,21 @@ void attend_varlen(const Batch& b, const int32_t* query_start) {
             const int64_t vh = (g * item.rows + r) * G + i;
             limits[vh] = p0 + r + 1;
             w.lower[vh] = window_start(b, p0 + r);
-            load_query(vs, q + (row + r) * b.q_stride + (g * G + i) * D, vh, w);
+            load_query<K>(vs, q + (row + r) * b.q_stride + (g * G + i) * D, vh, w);
           }
         }
       }
       const bool windowed = window_start(b, p0 + item.rows - 1) > t0;
-      attend_chunk(vs, static_cast<const T*>(b.k_cache),
-                   static_cast<const T*>(b.v_cache), b.tables + item.seq * b.max_blocks, t0,
+      attend_chunk(vs, static_cast<const K*>(b.k_cache),
+                   static_cast<const K*>(b.v_cache), b.tables + item.seq * b.max_blocks, t0,
                    p0 + item.rows, w, w.acc.data(), w.m.data(), w.l.data(),
                    item.rows > 1 ? limits.data() : nullptr, windowed ? w.lower.data() : nullptr);
       for (int64_t g = 0; g < b.sh.kv_heads; ++g) {
         for (int64_t r = 0; r < item.rows; ++r) {
           for (int64_t i = 0; i < G; ++i) {
             const int64_t vh = (g * item.rows + r) * G + i;
-            store_scaled(out + ((row + r) * H + g * G + i) * D, w.acc.data() + vh * D,
-                         1.f / w.l[vh], D);
+            store_scaled<K>(out + ((row + r) * H + g * G + i) * D, w.acc.data() + vh * D,
+                            b.sh.v_scale / w.l[vh], D);
           }
         }
       }
@@ -197,14 +202,30 @@ void attend_varlen(const Batch& b, const int32_t* query_start) {
   });
 }
 
+// f(T{}, K{}) for the batch's q / out type T and cache type K (Batch::kv)
+template <typename F>
+void with_types(const Batch& b, F&& f) {
+  auto caches = [&](auto t) {
+    switch (b.kv) {
+      case KvType::kE4m3: return f(t, fp8_e4m3{});
+      case KvType::kE5m2: return f(t, fp8_e5m2{});
+      case KvType::kBf16: return f(t, uint16_t{});
+      default: return f(t, t);
+    }
+  };
+  b.is_bf16 ? caches(uint16_t{}) : caches(float{});
+}
+
 void run_varlen(const Batch& b, const int32_t* query_start) {
-  b.is_bf16 ? attend_varlen<uint16_t>(b, query_start) : attend_varlen<float>(b, query_start);
+  with_types(b, [&](auto t, auto k) {
+    attend_varlen<decltype(t), decltype(k)>(b, query_start);
+  });
 }
 
 void run(const Batch& b, int64_t chunks) {
-  if (b.is_bf16) {
-    chunks == 1 ? attend_per_sequence<uint16_t>(b) : attend_split<uint16_t>(b, chunks);
-  } else {
-    chunks == 1 ? attend_per_sequence<float>(b) : attend_split<float>(b, chunks);
-  }
+  with_types(b, [&](auto t, auto k) {
+    using T = decltype(t);
+    using K = decltype(k);
+    chunks == 1 ? attend_per_sequence<T, K>(b) : attend_split<T, K>(b, chunks);
+  });
 }

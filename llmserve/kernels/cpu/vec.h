@@ -1,6 +1,7 @@
 // SIMD vectors of fp32 lanes for the C++ CPU kernels, one struct per instruction set, all
 // with the same interface, so a kernel body is written once (``*_impl.h``) and compiled once
-// per ISA (see isa.h). Memory holds fp32 or bf16 (raw uint16_t); arithmetic is fp32.
+// per ISA (see isa.h). Memory holds fp32, bf16 (raw uint16_t) or, read only, fp8 KV elements
+// (fp8.h); arithmetic is fp32.
 //
 //   Vec512     AVX-512F/BW/VL: 16 lanes       Vec256   AVX2 + FMA: 8 lanes
 //   VecScalar  one lane, plain C++ (any CPU)
@@ -14,6 +15,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+
+#include "fp8.h"  // fp8_e4m3 / fp8_e5m2 KV cache elements: loads widen them to fp32 lanes
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -45,6 +48,8 @@ struct VecScalar {
   static VecScalar set1(float x) { return {x}; }
   static VecScalar load(const float* p) { return {*p}; }
   static VecScalar load(const uint16_t* p) { return {bf16_to_float(*p)}; }
+  static VecScalar load(const fp8_e4m3* p) { return {to_f32(*p)}; }
+  static VecScalar load(const fp8_e5m2* p) { return {to_f32(*p)}; }
   // 2W elements as two vectors; bf16 pairs split into evens and odds (see Vec512::load2)
   template <typename T>
   static void load2(const T* p, VecScalar& a, VecScalar& b) { a = load(p), b = load(p + 1); }
@@ -104,7 +109,22 @@ struct Vec256 {
     const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return {_mm256_castsi256_ps(_mm256_slli_epi32(w, 16))};
   }
+  // fp8 (fp8.h): 8 bytes zero-extended to 16-bit lanes, moved to an fp16's bits, F16C-widened
+  LLMSERVE_T256 static __m128i fp8_words(const uint8_t* p) {
+    return _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  }
+  LLMSERVE_T256 static Vec256 load(const fp8_e5m2* p) {
+    return {_mm256_cvtph_ps(_mm_slli_epi16(fp8_words(&p->bits), 8))};
+  }
+  LLMSERVE_T256 static Vec256 load(const fp8_e4m3* p) {  // the fp16 holds value / 2^8
+    const __m128i w = fp8_words(&p->bits);
+    const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8),
+                                   _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7f)), 7));
+    return {_mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.f))};
+  }
   LLMSERVE_T256 static void load2(const float* p, Vec256& a, Vec256& b) { a = load(p), b = load(p + 8); }
+  template <typename F8>  // fp8: in order, as fp32 (no pairs to split)
+  LLMSERVE_T256 static void load2(const F8* p, Vec256& a, Vec256& b) { a = load(p), b = load(p + 8); }
   LLMSERVE_T256 static void load2(const uint16_t* p, Vec256& a, Vec256& b) {
     const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     a.v = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
@@ -175,7 +195,7 @@ struct Vec256x2 {
   // fp32: the first and second 16; bf16: lane j of a is element 2j, of b element 2j + 1
   template <typename T>
   LLMSERVE_T256 static void load2(const T* p, Vec256x2& a, Vec256x2& b) {
-    if constexpr (sizeof(T) == 4) {
+    if constexpr (sizeof(T) != 2) {  // fp32, fp8: in order
       a = load(p), b = load(p + 16);
     } else {
       Vec256::load2(p, a.lo, b.lo), Vec256::load2(p + 16, a.hi, b.hi);
@@ -227,6 +247,22 @@ struct Vec512 {
   // holds a pair, so a = the even elements (shifted up), b = the odd ones (masked): lane j of
   // a is element 2j, of b element 2j + 1 (kernels that mix the two orders permute once).
   LLMSERVE_T512 static void load2(const float* p, Vec512& a, Vec512& b) { a = load(p), b = load(p + 16); }
+  // fp8 (fp8.h): 16 bytes zero-extended to 16-bit lanes, moved to an fp16's bits, widened
+  LLMSERVE_T512 static __m256i fp8_words(const uint8_t* p) {
+    return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  LLMSERVE_T512 static Vec512 load(const fp8_e5m2* p) {
+    return {_mm512_cvtph_ps(_mm256_slli_epi16(fp8_words(&p->bits), 8))};
+  }
+  LLMSERVE_T512 static Vec512 load(const fp8_e4m3* p) {  // the fp16 holds value / 2^8
+    const __m256i w = fp8_words(&p->bits);
+    const __m256i h = _mm256_or_si256(
+        _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8),
+        _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7f)), 7));
+    return {_mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f))};
+  }
+  template <typename F8>  // fp8: in order, as fp32 (no pairs to split)
+  LLMSERVE_T512 static void load2(const F8* p, Vec512& a, Vec512& b) { a = load(p), b = load(p + 16); }
   LLMSERVE_T512 static void load2(const uint16_t* p, Vec512& a, Vec512& b) {
     const __m512i x = _mm512_loadu_si512(p);
     a.v = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
@@ -281,7 +317,7 @@ struct Vec512 {
 };
 #endif
 
-// one element of fp32 or bf16 memory <-> fp32
+// one element of fp32 or bf16 memory <-> fp32 (fp8: fp8.h)
 inline float to_f32(float x) { return x; }
 inline float to_f32(uint16_t h) { return bf16_to_float(h); }
 inline void put_f32(float* p, float x) { *p = x; }

@@ -1,0 +1,73 @@
+// fp8 elements of a quantized KV cache (``--kv-cache-dtype fp8``): torch's float8_e4m3fn and
+// float8_e5m2, one byte each, as two distinct types so the kernels' overloads tell them apart.
+//
+//   e4m3fn  sign, 4 exponent bits (bias 7), 3 mantissa bits; no infinities, 0x7f / 0xff NaN;
+//           largest finite 448, smallest normal 2^-6, subnormals in steps of 2^-9
+//   e5m2    sign, 5 exponent bits (bias 15), 2 mantissa bits; IEEE-like (infinities, NaNs);
+//           largest finite 57344, smallest normal 2^-14, subnormals in steps of 2^-16
+//
+// Both are a truncated fp16: e5m2 is an fp16's top byte, and e4m3fn's bits shifted by 7 into
+// an fp16 are the value / 2^8 (exponent bias 15 against 7), subnormals included. So a vector
+// widens by a byte-to-word zero extension, a shift and the F16C conversion (vec.h). Writes
+// round to nearest even and saturate at the largest finite value (what torch's own
+// ``.to(torch.float8_e4m3fn)`` does), so a large key clips instead of turning into a NaN.
+// (0x7f, never written but for a NaN input, reads back as 480 in the vector code.)
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+struct fp8_e4m3 {
+  uint8_t bits;
+};
+struct fp8_e5m2 {
+  uint8_t bits;
+};
+
+inline float fp8_bits_to_float(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline float to_f32(fp8_e4m3 x) {
+  const uint32_t sign = uint32_t(x.bits & 0x80) << 24, e = (x.bits >> 3) & 15, m = x.bits & 7;
+  if (e == 0) return (x.bits & 0x80 ? -1.f : 1.f) * float(m) * (1.f / 512.f);
+  return fp8_bits_to_float(sign | ((e + 127 - 7) << 23) | (m << 20));
+}
+
+inline float to_f32(fp8_e5m2 x) {
+  const uint32_t sign = uint32_t(x.bits & 0x80) << 24, e = (x.bits >> 2) & 31, m = x.bits & 3;
+  if (e == 0) return (x.bits & 0x80 ? -1.f : 1.f) * float(m) * (1.f / 65536.f);
+  if (e == 31) return fp8_bits_to_float(sign | 0x7f800000u | (m << 21));  // inf, NaN
+  return fp8_bits_to_float(sign | ((e + 127 - 15) << 23) | (m << 21));
+}
+
+// f rounded to the nearest fp8 with E exponent and M mantissa bits (ties to even), saturated
+// at ``max_bits`` (the largest finite code): normals by rounding the fp32 mantissa at bit
+// 23 - M, subnormals (below 2^min_exp) as multiples of their step.
+template <int M, int Bias>
+inline uint8_t encode_fp8(float f, uint32_t max_f32, uint8_t max_bits, uint8_t nan_bits) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint8_t sign = (u >> 24) & 0x80;
+  u &= 0x7fffffffu;
+  if (u > 0x7f800000u) return sign | nan_bits;
+  if (u >= max_f32) return sign | max_bits;
+  constexpr uint32_t kMinNormal = uint32_t(127 + 1 - Bias) << 23;
+  if (u < kMinNormal) {  // subnormal: steps of 2^(1 - Bias - M); 2^M steps is the smallest normal
+    const float steps = fp8_bits_to_float(u) * fp8_bits_to_float(uint32_t(127 - 1 + Bias + M) << 23);
+    return sign | static_cast<uint8_t>(std::nearbyint(steps));
+  }
+  constexpr int kDrop = 23 - M;
+  u += ((1u << (kDrop - 1)) - 1) + ((u >> kDrop) & 1u);
+  return sign | static_cast<uint8_t>((u >> kDrop) - (uint32_t(127 - Bias) << M));
+}
+
+inline void put_f32(fp8_e4m3* p, float x) {
+  p->bits = encode_fp8<3, 7>(x, 0x43e00000u /* 448 */, 0x7e, 0x7f);
+}
+inline void put_f32(fp8_e5m2* p, float x) {
+  p->bits = encode_fp8<2, 15>(x, 0x47600000u /* 57344 */, 0x7b, 0x7f);
+}
