@@ -28,3 +28,11 @@ def dequantize(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tenso
     if scale == 1.0:
         return x.to(dtype)
     return (x.float() * scale).to(dtype)
+
+
+def round_trip(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """``x`` as a pool of ``dtype`` gives it back: what a prompt's own rows read when they
+    attend over the step's K/V directly (SDPA) instead of through the pool."""
+    if x.dtype == dtype:
+        return x
+    return dequantize(quantize(x, dtype, scale), x.dtype, scale)

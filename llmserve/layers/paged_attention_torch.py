@@ -222,9 +222,11 @@ def _prefill(
         rows = slice(start, start + q_len)
         start += q_len
         qi = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
-        if prefill is None:
-            ki = k[rows].transpose(0, 1).unsqueeze(0)  # [1, kvh, q_len, D]
-            vi = v[rows].transpose(0, 1).unsqueeze(0)
+        if prefill is None:  # (a narrower pool: the values as it holds them, as later reads)
+            ki = kv_quant.round_trip(k[rows], k_cache.dtype, kv_scales[0])
+            vi = kv_quant.round_trip(v[rows], v_cache.dtype, kv_scales[1])
+            ki = ki.transpose(0, 1).unsqueeze(0)  # [1, kvh, q_len, D]
+            vi = vi.transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(
                 qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True
             )

@@ -7,9 +7,9 @@ of fp8 (e4m3: 3 mantissa bits, up to 448; e5m2: 2 bits, up to 57344). A quantize
 K / k_scale and V / v_scale (each attention layer's ``k_scale`` / ``v_scale``, 1.0 unless
 set), rounded to nearest even and saturated at the format's largest value; the attention
 kernels widen it back to fp32 as they read (kernels/cpu/fp8.h; layers/kv_quant.py on the
-torch paths). The step's own new K/V are written rounded too, and every read sees the rounded
-values, except a prompt's first chunk attended as a whole (its K/V straight from the
-projections, as vLLM's prefill does).
+torch paths). Every read sees the rounded values, a prompt's own rows included (its first
+chunk too, as vLLM's kernels read the pool they just wrote): decode and prefill attend over
+the same numbers, whichever backend and path runs them.
 """
 
 from __future__ import annotations
