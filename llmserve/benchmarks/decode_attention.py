@@ -13,6 +13,9 @@ pages where Linux gives them), ``4k`` as plain tensors, to show what the TLB cos
 ``--block-orders`` adds block tables laid out otherwise: ``ascending`` (each sequence's blocks
 one after another, as a fresh pool hands them out), ``descending`` (each sequence's blocks in
 runs the wrong way round, as the block manager handed them out before it sorted them).
+``--kv-dtypes`` stores the pools narrower than q (``--kv-cache-dtype``: bfloat16 under fp32 q,
+float8_e4m3fn, float8_e5m2); GB/s counts the bytes read, so a narrower pool reads fewer of
+them per token: compare ``ms_per_layer`` across pool dtypes.
 """
 
 from __future__ import annotations
@@ -39,25 +42,28 @@ def make_batch(
     keys_transposed: bool = False,
     huge_pages: bool = True,
     order: str = "shuffled",
+    kv_dtype: torch.dtype | None = None,
 ):
     """q, caches, shuffled block tables and lengths of a decode batch (every context C);
+    ``kv_dtype``: the pools' dtype (default: q's);
     ``keys_transposed``: K stored as the cpp backend stores it (``kv_cache.allocate``);
     ``huge_pages``: the pools allocated as the engine allocates them (``kv_cache.zeros``);
     ``order``: shuffled, ascending or descending block tables (module doc)."""
     num_heads, num_kv_heads, head_dim = shape
+    kv_dtype = kv_dtype or dtype
     gen = torch.Generator().manual_seed(seed)
     blocks = -(-context // block_size)
     pool = batch * blocks + 8
     cache_shape = (pool, block_size, num_kv_heads, head_dim)
-    k_cache = torch.randn(cache_shape, generator=gen).to(dtype)
-    v_cache = torch.randn(cache_shape, generator=gen).to(dtype)
+    k_cache = torch.randn(cache_shape, generator=gen).to(kv_dtype)
+    v_cache = torch.randn(cache_shape, generator=gen).to(kv_dtype)
     if keys_transposed:
         k_cache = kv_cache.transposed_keys(k_cache)
     if huge_pages:
         cpu = torch.device("cpu")
-        v_cache = kv_cache.zeros(cache_shape, dtype, cpu).copy_(v_cache)
+        v_cache = kv_cache.zeros(cache_shape, kv_dtype, cpu).copy_(v_cache)
         stored = k_cache.permute(0, 2, 3, 1) if keys_transposed else k_cache  # as laid out
-        k_cache = kv_cache.zeros(stored.shape, dtype, cpu).copy_(stored)
+        k_cache = kv_cache.zeros(stored.shape, kv_dtype, cpu).copy_(stored)
         k_cache = k_cache.permute(0, 3, 1, 2) if keys_transposed else k_cache
     # drawn for every order, so q (drawn next) is the same whichever order is asked for
     tables = torch.randperm(pool, generator=gen)[: batch * blocks].view(batch, blocks).int()
@@ -73,8 +79,11 @@ def measure(args: argparse.Namespace) -> list[dict]:
     shape = (9, 3, 64)
     rows, fns = [], {}  # (context, dtype, block_size, isa) -> (layers' inputs, out, bytes read)
     for context in args.contexts:
-        for dtype_name in args.dtypes:
+        for dtype_name, kv_name in itertools.product(args.dtypes, args.kv_dtypes):
             dtype = getattr(torch, dtype_name)
+            kv_dtype = dtype if kv_name == "same" else getattr(torch, kv_name)
+            if kv_dtype.itemsize > dtype.itemsize:
+                continue  # the kernels take pools as wide as q or narrower
             configs = itertools.product(
                 args.block_sizes, args.k_layouts, args.pages, args.block_orders
             )
@@ -91,16 +100,18 @@ def measure(args: argparse.Namespace) -> list[dict]:
                         transposed,
                         huge,
                         order,
-                    )
+                        kv_dtype,
+                    )  # fmt: skip
                     for seed in range(args.layers)
                 ]
                 out = torch.empty_like(layers[0][0])
                 # K and V of every context position of every layer, as read
                 kv_bytes = (
-                    2 * args.layers * args.batch * context * shape[1] * shape[2] * dtype.itemsize
+                    2 * args.layers * args.batch * context * shape[1] * shape[2] * kv_dtype.itemsize
                 )
+                kv = str(kv_dtype).removeprefix("torch.")
                 for isa in args.isas:
-                    key = (context, dtype_name, block_size, layout, pages, order, isa)
+                    key = (context, dtype_name, kv, block_size, layout, pages, order, isa)
                     fns[key] = (layers, out, kv_bytes)
     times: dict = {key: [] for key in fns}
     for _ in range(args.rounds):
@@ -112,8 +123,8 @@ def measure(args: argparse.Namespace) -> list[dict]:
                 times[key].append(time.perf_counter() - start)
     for key, (_, _, nbytes) in fns.items():
         seconds = statistics.median(times[key])
-        context, dtype_name, block_size, layout, pages, order, isa = key
-        rows.append({"context": context, "dtype": dtype_name, "block_size": block_size,
+        context, dtype_name, kv, block_size, layout, pages, order, isa = key
+        rows.append({"context": context, "dtype": dtype_name, "kv_dtype": kv, "block_size": block_size,
                      "k_layout": layout, "pages": pages, "blocks": order, "isa": isa, "ms_per_layer": seconds * 1e3 / args.layers,
                      "gbs": nbytes / seconds / 1e9})  # fmt: skip
     return rows
@@ -142,6 +153,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--contexts", type=int, nargs="+", default=[256, 512])
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    p.add_argument(
+        "--kv-dtypes",
+        nargs="+",
+        default=["same"],
+        choices=["same", "bfloat16", "float8_e4m3fn", "float8_e5m2"],
+        help="the pools' dtype: q's (same), or narrower (--kv-cache-dtype)",
+    )
     p.add_argument("--block-sizes", type=int, nargs="+", default=[16, 128])
     p.add_argument(
         "--k-layouts",
@@ -170,8 +188,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = measure(args)
     threads = torch.get_num_threads()
     print(f"paged decode attention, batch {args.batch}, {args.layers} layers, {threads} threads")
-    cols = ("context", "dtype", "block_size", "k_layout", "pages", "blocks", "isa", "ms_per_layer",
-            "gbs")  # fmt: skip
+    cols = ("context", "dtype", "kv_dtype", "block_size", "k_layout", "pages", "blocks", "isa",
+            "ms_per_layer", "gbs")  # fmt: skip
     print(format_table(cols, [[r[c] for c in cols] for r in rows]))
     return rows
 

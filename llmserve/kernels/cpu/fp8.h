@@ -44,30 +44,35 @@ inline float to_f32(fp8_e5m2 x) {
   return fp8_bits_to_float(sign | ((e + 127 - 15) << 23) | (m << 21));
 }
 
-// f rounded to the nearest fp8 with E exponent and M mantissa bits (ties to even), saturated
-// at ``max_bits`` (the largest finite code): normals by rounding the fp32 mantissa at bit
-// 23 - M, subnormals (below 2^min_exp) as multiples of their step.
+// f rounded to the nearest fp8 with M mantissa bits and exponent bias Bias (ties to even),
+// saturated at max_bits (the largest finite code, max_f32 its fp32 bits), NaN to nan_bits.
+// Normals round the fp32 mantissa at bit 23 - M; subnormals (below 2^(1 - Bias)) count their
+// steps of 2^(1 - Bias - M), rounded by adding 2^23 (the fp32 add rounds to nearest even).
+// Branch-free, so a loop of it vectorizes (encode_rows in paged_attention_impl.h).
 template <int M, int Bias>
-inline uint8_t encode_fp8(float f, uint32_t max_f32, uint8_t max_bits, uint8_t nan_bits) {
+inline uint8_t encode_fp8(float f, uint32_t max_f32, uint32_t max_bits, uint32_t nan_bits) {
   uint32_t u;
   std::memcpy(&u, &f, 4);
-  const uint8_t sign = (u >> 24) & 0x80;
-  u &= 0x7fffffffu;
-  if (u > 0x7f800000u) return sign | nan_bits;
-  if (u >= max_f32) return sign | max_bits;
-  constexpr uint32_t kMinNormal = uint32_t(127 + 1 - Bias) << 23;
-  if (u < kMinNormal) {  // subnormal: steps of 2^(1 - Bias - M); 2^M steps is the smallest normal
-    const float steps = fp8_bits_to_float(u) * fp8_bits_to_float(uint32_t(127 - 1 + Bias + M) << 23);
-    return sign | static_cast<uint8_t>(std::nearbyint(steps));
-  }
+  const uint32_t sign = (u >> 24) & 0x80, a = u & 0x7fffffffu;
   constexpr int kDrop = 23 - M;
-  u += ((1u << (kDrop - 1)) - 1) + ((u >> kDrop) & 1u);
-  return sign | static_cast<uint8_t>((u >> kDrop) - (uint32_t(127 - Bias) << M));
+  const uint32_t normal =
+      ((a + ((1u << (kDrop - 1)) - 1) + ((a >> kDrop) & 1u)) >> kDrop) - (uint32_t(127 - Bias) << M);
+  const float steps = fp8_bits_to_float(a) * fp8_bits_to_float(uint32_t(127 - 1 + Bias + M) << 23);
+  uint32_t sub;
+  const float rounded = steps + 8388608.f;  // 2^23: the sum's last bit is the rounded count
+  std::memcpy(&sub, &rounded, 4);
+  sub &= 0x7fffffu;
+  uint32_t code = a < (uint32_t(127 + 1 - Bias) << 23) ? sub : normal;
+  code = a >= max_f32 ? max_bits : code;
+  code = a > 0x7f800000u ? nan_bits : code;
+  return static_cast<uint8_t>(sign | code);
 }
 
-inline void put_f32(fp8_e4m3* p, float x) {
-  p->bits = encode_fp8<3, 7>(x, 0x43e00000u /* 448 */, 0x7e, 0x7f);
+inline uint8_t fp8_code(fp8_e4m3*, float x) {
+  return encode_fp8<3, 7>(x, 0x43e00000u /* 448 */, 0x7e, 0x7f);
 }
-inline void put_f32(fp8_e5m2* p, float x) {
-  p->bits = encode_fp8<2, 15>(x, 0x47600000u /* 57344 */, 0x7b, 0x7f);
+inline uint8_t fp8_code(fp8_e5m2*, float x) {
+  return encode_fp8<2, 15>(x, 0x47600000u /* 57344 */, 0x7b, 0x7f);
 }
+inline void put_f32(fp8_e4m3* p, float x) { p->bits = fp8_code(p, x); }
+inline void put_f32(fp8_e5m2* p, float x) { p->bits = fp8_code(p, x); }

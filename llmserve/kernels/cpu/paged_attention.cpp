@@ -298,6 +298,31 @@ void write_rows(const char* op, const char* name, const at::Tensor& x, at::Tenso
       scatter(pool, static_cast<const uint16_t*>(x.data_ptr()), convert);
     }
   };
+  // fp8: each row encoded by this ISA's vectorized loop (encode_rows), then its bytes placed
+  auto into_fp8 = [&](auto* pool) {
+    using F8 = std::remove_pointer_t<decltype(pool)>;
+    std::vector<uint8_t> codes(row);
+    auto each_row = [&](const auto* src_rows) {
+      using T = std::remove_const_t<std::remove_pointer_t<decltype(src_rows)>>;
+      uint8_t* dst_pool = reinterpret_cast<uint8_t*>(pool);
+      for (int64_t t = 0; t < tokens; ++t) {
+        TORCH_CHECK(slots[t] >= 0 && slots[t] < capacity, op, ": slot_mapping[", t, "] = ",
+                    slots[t], " is outside the pool's ", capacity, " slots");
+        LLMSERVE_DISPATCH(encode_rows<F8, T>(src_rows + t * stride, inv, row, codes.data()));
+        if (transposed) {
+          uint8_t* dst = dst_pool + slots[t] / bs * bs * row + slots[t] % bs;
+          for (int64_t j = 0; j < row; ++j) dst[j * bs] = codes[j];
+        } else {
+          std::copy(codes.begin(), codes.end(), dst_pool + slots[t] * row);
+        }
+      }
+    };
+    if (x.scalar_type() == at::kFloat) {
+      each_row(x.data_ptr<float>());
+    } else {
+      each_row(static_cast<const uint16_t*>(x.data_ptr()));
+    }
+  };
   if (kv == x.scalar_type() && scale == 1.0) {  // bit copies
     if (cache.element_size() == 4) {
       scatter(static_cast<uint32_t*>(cache.data_ptr()), static_cast<const uint32_t*>(x.data_ptr()), copy);
@@ -305,9 +330,9 @@ void write_rows(const char* op, const char* name, const at::Tensor& x, at::Tenso
       scatter(static_cast<uint16_t*>(cache.data_ptr()), static_cast<const uint16_t*>(x.data_ptr()), copy);
     }
   } else if (kv == at::kFloat8_e4m3fn) {
-    into(static_cast<fp8_e4m3*>(cache.data_ptr()));
+    into_fp8(static_cast<fp8_e4m3*>(cache.data_ptr()));
   } else if (kv == at::kFloat8_e5m2) {
-    into(static_cast<fp8_e5m2*>(cache.data_ptr()));
+    into_fp8(static_cast<fp8_e5m2*>(cache.data_ptr()));
   } else if (kv == at::kBFloat16) {
     into(static_cast<uint16_t*>(cache.data_ptr()));
   } else {

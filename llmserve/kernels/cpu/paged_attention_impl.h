@@ -202,6 +202,14 @@ void attend_varlen(const Batch& b, const int32_t* query_start) {
   });
 }
 
+// out[j] = src[j] * inv as fp8 codes of type F8 (fp8.h's rounding), for n elements of fp32 or
+// bf16 (T): the K/V write into an fp8 pool, one token's row at a time; this ISA's copy of the
+// loop is vectorized by the compiler (encode_fp8 has no branches).
+template <typename F8, typename T>
+void encode_rows(const T* src, float inv, int64_t n, uint8_t* out) {
+  for (int64_t j = 0; j < n; ++j) out[j] = fp8_code(static_cast<F8*>(nullptr), to_f32(src[j]) * inv);
+}
+
 // f(T{}, K{}) for the batch's q / out type T and cache type K (Batch::kv)
 template <typename F>
 void with_types(const Batch& b, F&& f) {
