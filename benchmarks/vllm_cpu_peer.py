@@ -86,9 +86,11 @@ def offline(
     top_p: float,
     lora_path: str | None = None,
     max_loras: int = 1,
+    kv_cache_dtype: str = "auto",
 ) -> None:
     """``lora_path``: every request with this LoRA adapter, as ``max_loras`` adapter ids
-    round robin (as ``llmserve bench throughput --lora-path``)."""
+    round robin (as ``llmserve bench throughput --lora-path``); ``kv_cache_dtype``: vLLM's
+    ``--kv-cache-dtype`` (auto, fp8, fp8_e4m3, fp8_e5m2)."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -103,7 +105,7 @@ def offline(
             LoRARequest(f"lora-{i % max_loras + 1}", i % max_loras + 1, lora_path)
             for i in range(len(prompts))
         ]
-    llm = LLM(model, dtype=dtype, seed=0, **options)
+    llm = LLM(model, dtype=dtype, seed=0, kv_cache_dtype=kv_cache_dtype, **options)
     batch = SamplingParams(
         temperature=temperature, top_p=top_p, max_tokens=output_len, ignore_eos=True
     )
@@ -143,6 +145,7 @@ def main() -> None:
         parser.add_argument("--top-p", type=float, default=1.0, help="the batch's")
         parser.add_argument("--lora-path", default=None, help="a PEFT adapter for every request")
         parser.add_argument("--max-loras", type=int, default=1, help="adapter ids, round robin")
+        parser.add_argument("--kv-cache-dtype", default="auto", help="vLLM's (auto, fp8, ...)")
         args = parser.parse_args(sys.argv[2:])
         offline(
             args.model,
@@ -153,6 +156,7 @@ def main() -> None:
             args.top_p,
             args.lora_path,
             args.max_loras,
+            args.kv_cache_dtype,
         )
         return
     from vllm.entrypoints.cli.main import main as vllm_main

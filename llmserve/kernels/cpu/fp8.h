@@ -8,7 +8,9 @@
 //
 // Both are a truncated fp16: e5m2 is an fp16's top byte, and e4m3fn's bits shifted by 7 into
 // an fp16 are the value / 2^8 (exponent bias 15 against 7), subnormals included. So a vector
-// widens by a byte-to-word zero extension, a shift and the F16C conversion (vec.h). Writes
+// widens by a byte-to-word extension, a shift and the F16C conversion (vec.h). The kernels
+// read e4m3 as value / 2^8 (kE4m3Unit: one multiply fewer per vector) and fold 2^8 into the
+// scales they apply (paged_attention.cpp: check_inputs). Writes
 // round to nearest even and saturate at the largest finite value (what torch's own
 // ``.to(torch.float8_e4m3fn)`` does), so a large key clips instead of turning into a NaN.
 // (0x7f, never written but for a NaN input, reads back as 480 in the vector code.)
@@ -31,10 +33,12 @@ inline float fp8_bits_to_float(uint32_t u) {
   return f;
 }
 
+// an e4m3 element as the kernels read it: its value / kE4m3Unit (see above)
+constexpr float kE4m3Unit = 256.f;
 inline float to_f32(fp8_e4m3 x) {
   const uint32_t sign = uint32_t(x.bits & 0x80) << 24, e = (x.bits >> 3) & 15, m = x.bits & 7;
-  if (e == 0) return (x.bits & 0x80 ? -1.f : 1.f) * float(m) * (1.f / 512.f);
-  return fp8_bits_to_float(sign | ((e + 127 - 7) << 23) | (m << 20));
+  if (e == 0) return (x.bits & 0x80 ? -1.f : 1.f) * float(m) * (1.f / 512.f / kE4m3Unit);
+  return fp8_bits_to_float(sign | ((e + 127 - 7 - 8) << 23) | (m << 20));
 }
 
 inline float to_f32(fp8_e5m2 x) {

@@ -202,8 +202,9 @@ Batch check_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
   b.sh.k_t = !k_cache.is_contiguous();
   b.sh.dp_bf16 = b.sh.k_t && dtype == at::kBFloat16 && kv == KvType::kSame &&
                  b.sh.head_dim % 2 == 0 && llmserve::current_isa() == llmserve::Isa::kAvx512Bf16;
-  b.sh.scale = static_cast<float>(scale * k_scale);
-  b.sh.v_scale = static_cast<float>(v_scale);
+  const double unit = kv == KvType::kE4m3 ? kE4m3Unit : 1.0;  // e4m3 reads value / 2^8 (fp8.h)
+  b.sh.scale = static_cast<float>(scale * k_scale * unit);
+  b.sh.v_scale = static_cast<float>(v_scale * unit);
   b.kv = kv;
   TORCH_CHECK(window >= 0, "window must be 0 (none) or a sliding window's length, got ", window);
   b.window = window;
