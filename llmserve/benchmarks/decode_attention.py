@@ -124,7 +124,8 @@ def measure(args: argparse.Namespace) -> list[dict]:
     for key, (_, _, nbytes) in fns.items():
         seconds = statistics.median(times[key])
         context, dtype_name, kv, block_size, layout, pages, order, isa = key
-        rows.append({"context": context, "dtype": dtype_name, "kv_dtype": kv, "block_size": block_size,
+        rows.append({"context": context, "dtype": dtype_name, "kv_dtype": kv,
+                     "block_size": block_size,
                      "k_layout": layout, "pages": pages, "blocks": order, "isa": isa, "ms_per_layer": seconds * 1e3 / args.layers,
                      "gbs": nbytes / seconds / 1e9})  # fmt: skip
     return rows

@@ -59,8 +59,8 @@ inline uint8_t encode_fp8(float f, uint32_t max_f32, uint32_t max_bits, uint32_t
   std::memcpy(&u, &f, 4);
   const uint32_t sign = (u >> 24) & 0x80, a = u & 0x7fffffffu;
   constexpr int kDrop = 23 - M;
-  const uint32_t normal =
-      ((a + ((1u << (kDrop - 1)) - 1) + ((a >> kDrop) & 1u)) >> kDrop) - (uint32_t(127 - Bias) << M);
+  const uint32_t half_even = ((1u << (kDrop - 1)) - 1) + ((a >> kDrop) & 1u);
+  const uint32_t normal = ((a + half_even) >> kDrop) - (uint32_t(127 - Bias) << M);
   const float steps = fp8_bits_to_float(a) * fp8_bits_to_float(uint32_t(127 - 1 + Bias + M) << 23);
   uint32_t sub;
   const float rounded = steps + 8388608.f;  // 2^23: the sum's last bit is the rounded count

@@ -326,9 +326,11 @@ void write_rows(const char* op, const char* name, const at::Tensor& x, at::Tenso
   };
   if (kv == x.scalar_type() && scale == 1.0) {  // bit copies
     if (cache.element_size() == 4) {
-      scatter(static_cast<uint32_t*>(cache.data_ptr()), static_cast<const uint32_t*>(x.data_ptr()), copy);
+      scatter(static_cast<uint32_t*>(cache.data_ptr()),
+              static_cast<const uint32_t*>(x.data_ptr()), copy);
     } else {
-      scatter(static_cast<uint16_t*>(cache.data_ptr()), static_cast<const uint16_t*>(x.data_ptr()), copy);
+      scatter(static_cast<uint16_t*>(cache.data_ptr()),
+              static_cast<const uint16_t*>(x.data_ptr()), copy);
     }
   } else if (kv == at::kFloat8_e4m3fn) {
     into_fp8(static_cast<fp8_e4m3*>(cache.data_ptr()));

@@ -1,10 +1,10 @@
 // The paged attention bodies, included by paged_attention.cpp once per ISA inside a
 // namespace that defines ``Vec`` (vec.h); T is the element type of q and out (float, or
 // uint16_t holding bf16), K the caches' (T, bf16 under fp32, or fp8: fp8.h). Arithmetic is
-// fp32 throughout; a quantized cache's scales are in Shape (scale, v_scale). This file holds the work
-// items (a sequence, a chunk of one for split-K, a few prompt rows) and how the threads share
-// them; one item's attention is attend_chunk (attention_chunk_impl.h), its scores
-// attention_scores_impl.h. (No include guards: included several times.)
+// fp32 throughout; a quantized cache's scales are in Shape (scale, v_scale). This file holds
+// the work items (a sequence, a chunk of one for split-K, a few prompt rows) and how the
+// threads share them; one item's attention is attend_chunk (attention_chunk_impl.h), its
+// scores attention_scores_impl.h. (No include guards: included several times.)
 
 #include "attention_scores_impl.h"  // prefetch, Ahead, load_query, block_scores
 #include "attention_chunk_impl.h"   // the online softmax over blocks: attend_chunk
@@ -207,7 +207,9 @@ void attend_varlen(const Batch& b, const int32_t* query_start) {
 // loop is vectorized by the compiler (encode_fp8 has no branches).
 template <typename F8, typename T>
 void encode_rows(const T* src, float inv, int64_t n, uint8_t* out) {
-  for (int64_t j = 0; j < n; ++j) out[j] = fp8_code(static_cast<F8*>(nullptr), to_f32(src[j]) * inv);
+  for (int64_t j = 0; j < n; ++j) {
+    out[j] = fp8_code(static_cast<F8*>(nullptr), to_f32(src[j]) * inv);
+  }
 }
 
 // f(T{}, K{}) for the batch's q / out type T and cache type K (Batch::kv)

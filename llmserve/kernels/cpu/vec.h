@@ -119,12 +119,15 @@ struct Vec256 {
   // e4m3 as value / 2^8 (fp8.h: kE4m3Unit): the byte sign-extended and shifted by 7 puts
   // e, m in an fp16's exponent and mantissa and the sign in bits 15 and 14; bit 14 cleared
   LLMSERVE_T256 static Vec256 load(const fp8_e4m3* p) {
-    const __m128i w = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(&p->bits)));
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(&p->bits));
+    const __m128i w = _mm_cvtepi8_epi16(b);
     return {_mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(w, 7), _mm_set1_epi16(-16385)))};
   }
   LLMSERVE_T256 static void load2(const float* p, Vec256& a, Vec256& b) { a = load(p), b = load(p + 8); }
   template <typename F8>  // fp8: in order, as fp32 (no pairs to split)
-  LLMSERVE_T256 static void load2(const F8* p, Vec256& a, Vec256& b) { a = load(p), b = load(p + 8); }
+  LLMSERVE_T256 static void load2(const F8* p, Vec256& a, Vec256& b) {
+    a = load(p), b = load(p + 8);
+  }
   LLMSERVE_T256 static void load2(const uint16_t* p, Vec256& a, Vec256& b) {
     const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     a.v = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
@@ -255,11 +258,14 @@ struct Vec512 {
     return {_mm512_cvtph_ps(_mm256_slli_epi16(fp8_words(&p->bits), 8))};
   }
   LLMSERVE_T512 static Vec512 load(const fp8_e4m3* p) {  // value / 2^8, as Vec256's
-    const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(&p->bits)));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(&p->bits));
+    const __m256i w = _mm256_cvtepi8_epi16(b);
     return {_mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(w, 7), _mm256_set1_epi16(-16385)))};
   }
   template <typename F8>  // fp8: in order, as fp32 (no pairs to split)
-  LLMSERVE_T512 static void load2(const F8* p, Vec512& a, Vec512& b) { a = load(p), b = load(p + 16); }
+  LLMSERVE_T512 static void load2(const F8* p, Vec512& a, Vec512& b) {
+    a = load(p), b = load(p + 16);
+  }
   LLMSERVE_T512 static void load2(const uint16_t* p, Vec512& a, Vec512& b) {
     const __m512i x = _mm512_loadu_si512(p);
     a.v = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
