@@ -14,6 +14,7 @@ from llmserve import LLM, SamplingParams
 from llmserve.layers import kv_quant
 from llmserve.runner.kv_cache import resolve_kv_cache_dtype
 from tests.conftest import assert_no_leaks
+from tests.quantization.tiny_llama import save_tiny_llama
 
 PROMPTS = ["Hello there", "SELECT name FROM users WHERE age >", "1, 2, 3, 4, 5,"]
 MAX_TOKENS = 6
@@ -22,35 +23,16 @@ KV_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2, "bfloat1
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
-    """A 2-layer GQA Llama (head_dim 64) with random weights and the default model's tokenizer;
-    keys scaled up (x 40 in k_proj) so that e4m3's largest value, 448, clips some of them."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    from llmserve.tokenizer import get_tokenizer
-
-    path = tmp_path_factory.mktemp("tiny-llama-kv")
-    tokenizer = get_tokenizer(None)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=256,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    """A 2-layer GQA Llama (head_dim 64) with random weights and a small tokenizer; keys
+    scaled up (x 40 in k_proj) so that e4m3's largest value, 448, clips some of them."""
+    path = str(tmp_path_factory.mktemp("tiny-llama-kv"))
+    model, tokenizer = save_tiny_llama(path, hidden_size=256, intermediate_size=256)
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.k_proj.weight.mul_(40.0)
             layer.self_attn.v_proj.weight.mul_(4.0)
     model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path), tokenizer
+    return path, tokenizer
 
 
 def reference(path: str, tokenizer, kv_dtype: torch.dtype | None):

@@ -97,7 +97,7 @@ def describe(spec: KVCacheSpec, num_blocks: int, max_model_len: int) -> str:
     per_token = spec.bytes_per_token
     per_seq = per_token * max_model_len
     return (
-        f"KV cache ({str(spec.dtype).removeprefix('torch.')}): {per_token} B/token "
+        f"KV cache: {per_token} B/token in {str(spec.dtype).removeprefix('torch.')} "
         f"(2 x {torch.empty((), dtype=spec.dtype).element_size()} B x "
         f"{spec.num_layers} layers x {spec.num_kv_heads} kv heads x {spec.head_dim} head_dim); "
         f"{num_blocks} blocks x {spec.block_size} tokens = {tokens} tokens "
