@@ -190,12 +190,12 @@ def _decode(
         tables = plan.decode_tables[rows, : tile.num_blocks]  # [n, nb]
         k = _gather_kv(k_cache, tables, plan.buffers[0])  # [n, kvh, nb * bs, D]
         v = _gather_kv(v_cache, tables, plan.buffers[1])
-        k = kv_quant.dequantize(k, q.dtype, k_scale)
-        v = kv_quant.dequantize(v, q.dtype, v_scale)
         if tile.seq_len is not None:
             k, v, mask = k[:, :, : tile.seq_len], v[:, :, : tile.seq_len], None
         else:
             mask = plan.decode_mask[rows, ..., : k.shape[2]]  # [n, 1, 1, ctx]
+        k = kv_quant.dequantize(k, q.dtype, k_scale)
+        v = kv_quant.dequantize(v, q.dtype, v_scale)
         o = F.scaled_dot_product_attention(q[rows], k, v, attn_mask=mask, scale=scale)
         out[rows] = o.view(tile.end - tile.start, num_heads, head_dim)
 
