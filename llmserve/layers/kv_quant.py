@@ -10,14 +10,16 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def quantize(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
-    """New K or V rows in the pool's ``dtype``: ``x / scale``, rounded (fp8: saturated)."""
+    """New K or V rows in the pool's ``dtype``: ``x / scale``, rounded (fp8: saturated). The
+    scales apply to a pool narrower than the model's only (x in the pool's dtype: as it is)."""
     if x.dtype == dtype:
         return x
+    # times 1 / scale in fp32, as the C++ write does, so both backends store the same bits
+    # (out of place: x may be the step's own K/V rows, which the attention reads after)
+    x = x.float() * (1.0 / scale) if scale != 1.0 else x
     if dtype in FP8_DTYPES:
         limit = torch.finfo(dtype).max
-        # times 1 / scale in fp32, as the C++ write does, so both backends store the same bits
-        # (out of place: x may be the step's own K/V rows, which the attention reads after)
-        x = (x.float() * (1.0 / scale) if scale != 1.0 else x.float()).clamp(-limit, limit)
+        x = x.float().clamp(-limit, limit)
     return x.to(dtype)
 
 

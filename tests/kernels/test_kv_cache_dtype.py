@@ -153,7 +153,7 @@ def test_attention_over_a_narrow_pool(isa, case, pair, layout):
     head_dim, block_size, num_heads, kv_heads, q_lens, seq_lens = case
     q_dtype, kv_dtype = pair
     batch = make_paged_batch(q_lens, seq_lens, num_heads, kv_heads, head_dim, block_size)
-    k_scale, v_scale = (0.25, 1.5) if kv_dtype in FP8 else (1.0, 1.0)
+    k_scale, v_scale = 0.25, 1.5
     new_k, new_v, slots, k_cache, v_cache = step_kv(batch, q_lens, seq_lens)
     # the context before the step, as the pool holds it (NaN slots stay NaN: never read)
     k_pool = kv_quant.quantize(k_cache * 4, kv_dtype, k_scale)  # keys up to ~20 (x 4)
@@ -181,6 +181,35 @@ def test_attention_over_a_narrow_pool(isa, case, pair, layout):
     )  # fmt: skip
     assert out.dtype == q_dtype and not out.isnan().any()
     torch.testing.assert_close(out.float().view_as(ref), ref, **tolerance(q_dtype))
+
+
+def test_scales_apply_to_narrower_pools_only():
+    """A pool in q's dtype is written and read as it is, whatever the scales (as
+    layers/kv_quant.py does): the same output and pool with k_scale 2 as with 1."""
+    batch = make_paged_batch([1, 1], [5, 40], 4, 2, 64, 8)
+    new_k, new_v, slots, k_cache, v_cache = step_kv(batch, [1, 1], [5, 40])
+    outs, pools = [], []
+    for scales in ((1.0, 1.0), (2.0, 0.5)):
+        k_pool, v_pool = k_cache.clone(), v_cache.clone()
+        outs.append(
+            cpu_kernels.decode_attention(
+                batch.q.reshape(2, -1),
+                new_k,
+                new_v,
+                k_pool,
+                v_pool,
+                slots,
+                batch.block_tables,
+                batch.seq_lens,
+                0.125,
+                0,
+                *scales,
+            )  # fmt: skip
+        )
+        pools.append(k_pool)
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
+    torch.testing.assert_close(pools[1], pools[0], rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(kv_quant.quantize(new_k, torch.float32, 2.0), new_k)
 
 
 def test_narrow_pool_errors():

@@ -202,6 +202,8 @@ Batch check_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
   b.sh.k_t = !k_cache.is_contiguous();
   b.sh.dp_bf16 = b.sh.k_t && dtype == at::kBFloat16 && kv == KvType::kSame &&
                  b.sh.head_dim % 2 == 0 && llmserve::current_isa() == llmserve::Isa::kAvx512Bf16;
+  // the scales apply to a pool narrower than q only (layers/kv_quant.py alike)
+  if (kv == KvType::kSame) k_scale = v_scale = 1.0;
   const double unit = kv == KvType::kE4m3 ? kE4m3Unit : 1.0;  // e4m3 reads value / 2^8 (fp8.h)
   b.sh.scale = static_cast<float>(scale * k_scale * unit);
   b.sh.v_scale = static_cast<float>(v_scale * unit);
@@ -255,9 +257,9 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
 
 // k or v rows [T, kvh * D] (rows may be strided, unit column stride) at their slots of a
 // [blocks, block_size, kvh, D] pool, or of a transposed K pool (element j = h * D + d of a
-// token at block[h][d][offset]). Rows in the pool's dtype are copied; fp32 or bf16 rows into a
-// narrower pool (bf16, fp8) are divided by ``scale`` and rounded to nearest even (fp8
-// saturating at its largest finite value, fp8.h).
+// token at block[h][d][offset]). Rows in the pool's dtype are copied as they are; fp32 or bf16
+// rows into a narrower pool (bf16, fp8) are divided by ``scale`` and rounded to nearest even
+// (fp8 saturating at its largest finite value, fp8.h).
 void write_rows(const char* op, const char* name, const at::Tensor& x, at::Tensor& cache,
                 const at::Tensor& slot_mapping, double scale) {
   const int64_t bs = cache.size(1), row = cache.size(2) * cache.size(3);
@@ -324,7 +326,7 @@ void write_rows(const char* op, const char* name, const at::Tensor& x, at::Tenso
       each_row(static_cast<const uint16_t*>(x.data_ptr()));
     }
   };
-  if (kv == x.scalar_type() && scale == 1.0) {  // bit copies
+  if (kv == x.scalar_type()) {  // bit copies
     if (cache.element_size() == 4) {
       scatter(static_cast<uint32_t*>(cache.data_ptr()),
               static_cast<const uint32_t*>(x.data_ptr()), copy);
@@ -336,10 +338,8 @@ void write_rows(const char* op, const char* name, const at::Tensor& x, at::Tenso
     into_fp8(static_cast<fp8_e4m3*>(cache.data_ptr()));
   } else if (kv == at::kFloat8_e5m2) {
     into_fp8(static_cast<fp8_e5m2*>(cache.data_ptr()));
-  } else if (kv == at::kBFloat16) {
-    into(static_cast<uint16_t*>(cache.data_ptr()));
   } else {
-    into(static_cast<float*>(cache.data_ptr()));  // fp32 rows scaled into an fp32 pool
+    into(static_cast<uint16_t*>(cache.data_ptr()));  // fp32 rows into a bf16 pool
   }
 }
 
