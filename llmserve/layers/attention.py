@@ -101,13 +101,9 @@ class Attention(Module):
                     q, k, v, *kv_cache, meta.slot_mapping, plan.decode_tables,
                     plan.decode_seq_lens, self.scale, window, self.k_scale, self.v_scale,
                 )  # fmt: skip
-            # prompt chunks (and decodes) of any length; with a pool narrower than q no
-            # prompt goes to SDPA, which would read its K/V unrounded (kv_cache.py)
-            sdpa_min_rows = 0 if kv_cache[0].dtype != q.dtype else None
-            return cpu_kernels.paged_attention(
+            return cpu_kernels.paged_attention(  # prompt chunks (and decodes) of any length
                 q, k, v, *kv_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens,
-                meta.query_start_loc, self.scale, sdpa_min_rows, window, self.k_scale,
-                self.v_scale,
+                meta.query_start_loc, self.scale, None, window, self.k_scale, self.v_scale,
             )  # fmt: skip
         num_tokens = q.shape[0]
         q = q.view(num_tokens, self.num_heads, self.head_dim)

@@ -3,18 +3,17 @@
     paged_attention.cpp   paged_decode_attention: decode attention reading K/V in place
                           from the paged pool (bodies: paged_attention_impl.h, its work items;
                           attention_chunk_impl.h, the online softmax; attention_scores_impl.h,
-                          q . k on either K layout); decode_attention:
-                          a decode-only step's K/V write and attention in one call;
-                          paged_attention: the same for any step (prompt chunks, causal);
-                          each takes a sliding window
+                          q . k on either K layout); decode_attention: a decode-only step's K/V
+                          write and attention in one call; paged_attention: the same for any
+                          step (prompt chunks, causal); each takes a sliding window
     kernels_bindings.cpp  every function of kernels_ops.h registered as a torch op and bound
                           directly for Python (``_direct()``: no dispatcher on the per-layer
                           path, the GIL released as each runs: bindings.h); the kernel files
                           include only aten.h, a slice of ATen, and compile in half the time
     fused.cpp             rms_norm, fused_add_rms_norm_, silu_and_mul, gelu_tanh_and_mul,
-                          rotary_interleaved, rotary_neox:
-                          one pass over memory each; argmax_rows and draw_rows, greedy and
-                          temperature sampling from the logits (body: fused_impl.h)
+                          rotary_interleaved, rotary_neox: one pass over memory each;
+                          argmax_rows and draw_rows, greedy and temperature sampling from the
+                          logits (body: fused_impl.h)
     gemm.cpp              linear_f32_pack, linear_f32: the fp32 linear on a weight packed at
                           load, streamed front to back (body: gemm_impl.h)
     gemm_bf16.cpp         linear_bf16_pack, linear_bf16: the same for bf16 with vdpbf16ps
@@ -27,23 +26,22 @@
                           one per CPU (llmserve/runner/cpu_threads.py decides which)
 
 All take float32 or bfloat16 tensors (bf16 is widened to fp32 in registers, accumulated in
-fp32, rounded once when stored) and are threaded with torch's intra-op pool; the GEMM and the
+fp32, rounded once when stored; the attention's KV pools may also be narrower: bf16 under fp32,
+fp8, fp8.h) and are threaded with torch's intra-op pool; the GEMM and the
 attention hand out their work in chunks that threads take as they come free (parallel.h), so
 a thread the OS preempts does not hold the others at the barrier. The library is built for
 the baseline x86-64 target; every body is compiled for AVX-512, AVX2 and plain C++
 (isa.h, vec.h) and the path is chosen at run time: the best this CPU runs (``avx512`` rather
-than ``avx512_bf16`` where ``widens_bf16``), or the one named by
-``LLMSERVE_CPU_ISA`` (``avx512_bf16``, ``avx512``, ``avx2``, ``scalar``) or ``set_isa`` (tests
-force each one); ``avx512_bf16`` is the AVX-512 code plus vdpbf16ps for bf16 attention scores.
+than ``avx512_bf16`` where ``widens_bf16``), or the one named by ``LLMSERVE_CPU_ISA``
+(``avx512_bf16``, ``avx512``, ``avx2``, ``scalar``) or ``set_isa`` (tests force each one);
+``avx512_bf16`` is the AVX-512 code plus vdpbf16ps for bf16 attention scores.
 ``avx2_w16`` is for tests only, never chosen on its own: the AVX-512 code's 16-lane shape (its
 register tiles, head groups and tails) built from pairs of AVX2 vectors, so an AVX2-only host
 checks the logic that AVX-512 hosts run.
 
-The build (``build.py``) takes about a minute on 2 cores (66 s on an AVX2 Zen 3 host, 130 s
-before the kernel files left torch's full headers to the bindings) once per machine and is
-cached by torch (under ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``); one
-build is safe on any x86-64 host. Without a C++ compiler, or with ``LLMSERVE_CPU_KERNELS=0``, ``available()``
-is False and callers keep their plain-torch path.
+The build (``build.py``, about a minute on 2 cores) runs once per machine, cached by torch
+(``TORCH_EXTENSIONS_DIR``); one build is safe on any x86-64 host. Without a C++ compiler, or
+with ``LLMSERVE_CPU_KERNELS=0``, ``available()`` is False and callers keep their torch path.
 """
 
 from __future__ import annotations
@@ -58,7 +56,6 @@ import torch
 from llmserve.kernels.cpu.build import NativeLibrary
 
 _HERE = Path(__file__).parent
-PROMPT_SDPA_MIN_ROWS = 128  # prompt_sdpa_min_rows
 ISAS = ("avx512_bf16", "avx512", "avx2", "avx2_w16", "scalar")
 # no -march: the ISA-specific copies carry target pragmas and are chosen at run time
 LIBRARY = NativeLibrary(
@@ -158,103 +155,6 @@ def forced_isa(isa: str) -> Iterator[str]:
         yield chosen
     finally:
         _ops().set_isa(previous)
-
-
-def paged_decode_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    out: torch.Tensor | None = None,
-    window: int = 0,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-) -> torch.Tensor:
-    """q ``[n, H, D]`` (fp32 or bf16), caches ``[blocks, block_size, kvh, D]`` (q's dtype,
-    bf16, or fp8 e4m3fn / e5m2 holding K / k_scale and V / v_scale), ``block_tables [n, >=
-    ceil(len / block_size)]`` int32, ``seq_lens [n]`` int32 -> ``[n, H, D]`` in q's dtype
-    (fp32 arithmetic). ``window`` > 0: a sliding window, the query (at position len - 1) sees
-    the last ``window`` tokens only."""
-    if out is None:
-        out = torch.empty_like(q)
-    _direct().paged_decode_attention(
-        q, k_cache, v_cache, block_tables, seq_lens, scale, out, window, k_scale, v_scale
-    )
-    return out
-
-
-def decode_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    window: int = 0,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-) -> torch.Tensor:
-    """A step of decodes in one call: ``k, v [T, kvh * D]`` written at ``slot_mapping`` (as
-    ``k / k_scale`` and ``v / v_scale`` rounded to the pool's dtype where it is narrower),
-    then ``q [T, H * D]`` attends over each sequence's blocks (its last ``window`` tokens if
-    ``window`` > 0) -> ``[T, H * D]``."""
-    return _direct().decode_attention(
-        q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, scale, window,
-        k_scale, v_scale,
-    )  # fmt: skip
-
-
-def paged_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    scale: float,
-    sdpa_min_rows: int | None = None,
-    window: int = 0,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-) -> torch.Tensor:
-    """Any step (prompt chunks and decodes) in one call: ``k, v [T, kvh * D]`` written at
-    ``slot_mapping``, then sequence s's query rows ``q[query_start_loc[s]:query_start_loc[s +
-    1]]`` (of ``q [T, H * D]``) attend causally over its ``seq_lens[s]`` tokens of context ->
-    ``[T, H * D]``. ``block_tables [S, >= ceil(len / block_size)]``, ``seq_lens [S]`` and
-    ``query_start_loc [S + 1]`` are int32. A prompt's first chunk of at least
-    ``sdpa_min_rows`` rows (0: none; None: ``prompt_sdpa_min_rows`` for q's dtype) is attended
-    by torch's SDPA instead of this library's kernel (not when it outgrows ``window``).
-    ``window`` > 0: a sliding window, the row at position p sees tokens ``[p - window + 1,
-    p]`` only. The pools' dtypes and ``k_scale`` / ``v_scale`` as ``decode_attention``'s."""
-    if sdpa_min_rows is None:
-        sdpa_min_rows = prompt_sdpa_min_rows(q.dtype)
-    return _direct().paged_attention(
-        q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale,
-        sdpa_min_rows, window, k_scale, v_scale,
-    )  # fmt: skip
-
-
-@functools.cache
-def prompt_sdpa_min_rows(dtype: torch.dtype) -> int:
-    """From how many rows ``paged_attention`` hands a prompt's first chunk to torch's SDPA
-    (0: never): bf16 on CPUs with AMX, whose flash attention runs its products as bf16 GEMMs
-    on AMX tiles. Measured on an Intel Sapphire Rapids class VM (2 threads, the default
-    model's heads, ``python -m llmserve.benchmarks.prompt_attention --sdpa-min-rows``), ms a
-    layer, this library's kernel -> SDPA with its heads-first copies: one prompt of 64 tokens
-    0.08 -> 0.09, 96 0.14 -> 0.13, 128 0.19 -> 0.17, 256 0.59 -> 0.38-0.41, 512 2.11 ->
-    1.29; 8 x 256 4.95-5.49 -> 3.13, 2 x 1024 15.9-16.3 -> 6.3. fp32 there: SDPA 99-143
-    GFLOP/s against this kernel's 114-162, so fp32 (and CPUs without AMX, not measured with
-    SDPA) keep the kernel."""
-    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
-    return PROMPT_SDPA_MIN_ROWS if dtype == torch.bfloat16 and amx else 0
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -402,3 +302,13 @@ def bind_threads(cpus: list[int]) -> int:
     parallel regions use) to ``cpus[i]``; returns how many were pinned (``len(cpus)`` when all
     were). ``len(cpus)`` should be ``torch.get_num_threads()``."""
     return _direct().bind_threads([int(c) for c in cpus])
+
+
+# the attention wrappers (attention.py), here with the rest of the library's functions
+from llmserve.kernels.cpu.attention import (  # noqa: E402, F401
+    PROMPT_SDPA_MIN_ROWS,
+    decode_attention,
+    paged_attention,
+    paged_decode_attention,
+    prompt_sdpa_min_rows,
+)
